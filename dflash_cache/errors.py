@@ -1,0 +1,15 @@
+"""Errors a user can cause and fix.
+
+Library code raises `UserError` for bad input; the CLI turns it into one line on stderr and exit
+status 2. Anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A mistake in the user's input: the message names the problem and the fix, on one line."""
+
+    exit_code = 2
+
+
+class CacheCorruptError(UserError):
+    """A cache on disk does not match what its commit records promise."""

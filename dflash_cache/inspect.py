@@ -1,0 +1,173 @@
+"""What is in a cache: a summary, one sample, and a full verification pass.
+
+All of this reads JSON, Parquet and zarr chunks only. `summarize` touches no feature data;
+`verify` decodes every chunk (checksums included) and cross-checks the records, the stored token
+arrays and the index, returning a list of problems that each name their segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dflash_cache.errors import CacheCorruptError
+from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE
+from dflash_cache.reader import INDEX_FILE, CacheReader, build_index, records_digest
+from dflash_cache.segments import check_files, segment_name
+
+BF16_BYTES = 2
+
+
+def planned_segments(root: Path) -> list[tuple[int, int]]:
+    """(unit, batch) of every planned segment, from plan.parquet."""
+    path = root / PLAN_FILE
+    if not path.is_file():
+        return []
+    t = pq.read_table(path, columns=["unit", "batch"])
+    pairs = np.stack([t.column("unit").to_numpy(), t.column("batch").to_numpy()], axis=1)
+    return [tuple(p) for p in np.unique(pairs, axis=0).tolist()]
+
+
+def missing_units(reader: CacheReader) -> list[int]:
+    """Work units with at least one planned segment not committed."""
+    committed = {r.name for r in reader.records}
+    return sorted({u for u, b in planned_segments(reader.root) if segment_name(u, b) not in committed})
+
+
+def summarize(reader: CacheReader) -> dict[str, Any]:
+    m = reader.manifest
+    tokens = reader.num_tokens
+    meta = sum((reader.root / f).stat().st_size for f in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE)
+               if (reader.root / f).is_file())
+    on_disk = reader.bytes_on_disk() + meta
+    raw = tokens * m.feature_width * BF16_BYTES
+    buckets = np.bincount([r.bucket for r in reader.records], minlength=len(m.plan.bucket_bounds))
+    return {
+        "cache": str(reader.root),
+        "target": m.target.name,
+        "target_model_type": m.target.model_type,
+        "target_config_hash": m.target.config_hash,
+        "target_dtype": m.target.dtype,
+        "layer_ids": list(m.layer_ids),
+        "hidden_size": m.hidden_size,
+        "codec": m.codec,
+        "samples": reader.num_samples,
+        "tokens": tokens,
+        "supervised_tokens": reader.num_supervised,
+        "segments": len(reader.records),
+        "segments_planned": m.plan.num_segments,
+        "bytes_on_disk": on_disk,
+        "bytes_per_token": on_disk / tokens if tokens else 0.0,
+        "raw_bf16_bytes_per_token": m.feature_width * BF16_BYTES,
+        "compression_vs_raw_bf16": raw / on_disk if on_disk else 0.0,
+        "bucket_bounds": list(m.plan.bucket_bounds),
+        "bucket_segments": buckets.tolist(),
+        "missing_units": missing_units(reader),
+        "complete": reader.complete,
+        "dataset": m.dataset_description,
+        "tool_version": m.tool_version,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"cache            {s['cache']}  ({'complete' if s['complete'] else 'INCOMPLETE'})",
+        f"target           {s['target']}  ({s['target_model_type']}, config {s['target_config_hash']}, {s['target_dtype']})",
+        f"layer ids        {s['layer_ids']}  (output of decoder layer k)",
+        f"hidden size      {s['hidden_size']}  x {len(s['layer_ids'])} layers",
+        f"codec            {s['codec']}",
+        f"samples          {s['samples']:,}",
+        f"tokens           {s['tokens']:,}  ({s['supervised_tokens']:,} supervised)",
+        f"segments         {s['segments']:,} of {s['segments_planned']:,} planned",
+        f"bytes on disk    {s['bytes_on_disk']:,}  ({s['bytes_per_token']:,.1f} B/token; raw bf16 "
+        f"{s['raw_bf16_bytes_per_token']:,} B/token, {s['compression_vs_raw_bf16']:.2f}x smaller)",
+        "buckets:",
+    ]
+    bounds, counts = s["bucket_bounds"], s["bucket_segments"]
+    total = max(1, sum(counts))
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
+        lines.append(f"  Bucket {i} [{lo:>4}, {hi}): {counts[i]:>6} segments ({100 * counts[i] / total:5.1f}%)")
+    missing = s["missing_units"]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        lines.append(f"missing units    {len(missing)}: {shown}  (run extract again to resume)")
+    else:
+        lines.append("missing units    none")
+    return "\n".join(lines)
+
+
+def describe_sample(reader: CacheReader, sample_id: int) -> dict[str, Any]:
+    s = reader.sample(sample_id)
+    m = reader.manifest
+    feats = s.features.float().view(len(s.input_ids), m.n_layers, m.hidden_size)
+    norms = feats.norm(dim=-1).mean(dim=0).tolist()
+    return {
+        "sample_id": sample_id,
+        "segment": s.segment,
+        "length": int(len(s.input_ids)),
+        "supervised": int(s.loss_mask.sum()),
+        "mask_coverage": float(s.loss_mask.mean()),
+        "layer_norms": {str(layer): float(n) for layer, n in zip(m.layer_ids, norms, strict=True)},
+        "first_ids": s.input_ids[:16].tolist(),
+    }
+
+
+def format_sample(d: dict[str, Any]) -> str:
+    lines = [
+        f"sample {d['sample_id']} in segment {d['segment']}",
+        f"  length         {d['length']}",
+        f"  supervised     {d['supervised']} ({100 * d['mask_coverage']:.1f}% of tokens)",
+        f"  first ids      {d['first_ids']}",
+        "  mean per-token feature norm by layer:",
+    ]
+    lines += [f"    layer {k:>3}: {v:.4f}" for k, v in d["layer_norms"].items()]
+    return "\n".join(lines)
+
+
+def verify(reader: CacheReader, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Decode everything and cross-check; returns problems, each naming its segment."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    m = reader.manifest
+    for rec in reader.records:
+        try:
+            file_problems = check_files(reader.root, rec)
+            if file_problems:
+                problems.append(f"segment {rec.name}: {'; '.join(file_problems)}")
+                continue
+            arrays = reader.read_segment(rec.name)
+        except CacheCorruptError as e:
+            problems.append(str(e) if rec.name in str(e) else f"segment {rec.name}: {e}")
+            continue
+        offsets = np.concatenate([[0], np.cumsum(rec.lengths)])
+        checks = [
+            (np.array_equal(arrays["offsets"], offsets), "offsets disagree with the commit record"),
+            (np.array_equal(arrays["sample_ids"], np.array(rec.sample_ids)), "sample ids disagree with the record"),
+            (np.array_equal(np.add.reduceat(arrays["loss_mask"].astype(np.int64), offsets[:-1]),
+                            np.array(rec.supervised)), "loss mask disagrees with the recorded supervised counts"),
+            (bool(np.isin(arrays["loss_mask"], (0, 1)).all()), "loss mask holds values other than 0/1"),
+            (bool(((arrays["input_ids"] >= 0) & (arrays["input_ids"] < m.target.vocab_size)).all()),
+             "token ids outside the target's vocabulary"),
+        ]
+        feats = reader.decode_features(arrays)
+        checks.append((bool(feats.isfinite().all()), "features hold NaN or infinity"))
+        problems += [f"segment {rec.name}: {msg}" for ok, msg in checks if not ok]
+        for sid in rec.sample_ids:
+            if sid in seen:
+                problems.append(f"segment {rec.name}: sample {sid} also in segment {seen[sid]}")
+            seen[sid] = rec.name
+        if progress:
+            progress(rec.num_tokens)
+    index_path = reader.root / INDEX_FILE
+    if index_path.is_file():
+        table = pq.read_table(index_path)
+        meta = table.schema.metadata or {}
+        if meta.get(b"commits_digest", b"").decode() == records_digest(reader.records):
+            if not table.replace_schema_metadata(None).equals(build_index(reader.records)):
+                problems.append(f"{INDEX_FILE} disagrees with the commit records; rerun extract to rebuild it")
+    return problems

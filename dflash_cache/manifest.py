@@ -1,0 +1,148 @@
+"""The cache manifest: what a cache holds and how it was made.
+
+The manifest is written once, atomically, when a cache is created; segments are only committed
+into a cache whose manifest matches the run. `mismatches` names the fields that differ so the CLI
+(and the trainer) can refuse a cache with an error that says which field and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_cache import __version__
+from dflash_cache.errors import CacheCorruptError
+from dflash_cache.jsonio import read_json, write_json_atomic
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
+LAYER_ID_CONVENTION = "k = output of decoder layer k = Hugging Face hidden_states[k + 1]"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetIdentity:
+    """Which target produced the features. `config_hash` covers the architecture and sizes."""
+
+    name: str
+    model_type: str
+    config_hash: str
+    dtype: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanParams:
+    """Everything that decides the deterministic batch plan (and so the segment names)."""
+
+    unit_rows: int
+    token_budget: int
+    max_rows: int
+    bucket_bounds: tuple[int, ...]
+    max_len: int | None
+    overlong: str
+    num_rows: int
+    num_units: int
+    num_segments: int
+    num_samples: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    target: TargetIdentity
+    layer_ids: tuple[int, ...]
+    hidden_size: int
+    codec: str
+    dataset_fingerprint: str
+    dataset_description: str
+    plan: PlanParams
+    features: str = "pre-norm decoder layer outputs, packed over real tokens, layers concatenated"
+    logical_dtype: str = "bfloat16"
+    layer_id_convention: str = LAYER_ID_CONVENTION
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    tool_version: str = __version__
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def feature_width(self) -> int:
+        return self.n_layers * self.hidden_size
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        if obj.get("format") != FORMAT_NAME:
+            raise CacheCorruptError(f"not a dflash-cache manifest (format={obj.get('format')!r})")
+        if obj.get("format_version") != FORMAT_VERSION:
+            raise CacheCorruptError(
+                f"cache format version {obj.get('format_version')} is not supported by this tool "
+                f"(reads version {FORMAT_VERSION}); use the dflash-cache release that wrote it"
+            )
+        try:
+            plan = dict(obj["plan"])
+            plan["bucket_bounds"] = tuple(plan["bucket_bounds"])
+            return cls(
+                target=TargetIdentity(**obj["target"]),
+                layer_ids=tuple(int(i) for i in obj["layer_ids"]),
+                hidden_size=int(obj["hidden_size"]),
+                codec=str(obj["codec"]),
+                dataset_fingerprint=str(obj["dataset_fingerprint"]),
+                dataset_description=str(obj["dataset_description"]),
+                plan=PlanParams(**plan),
+                features=obj["features"],
+                logical_dtype=obj["logical_dtype"],
+                layer_id_convention=obj["layer_id_convention"],
+                format=obj["format"],
+                format_version=obj["format_version"],
+                tool_version=obj["tool_version"],
+                extra=dict(obj.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheCorruptError(f"manifest is malformed ({e}); the cache cannot be read") from None
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists become tuples so they compare by value."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): tuple(obj) if isinstance(obj, list | tuple) else obj}
+
+
+# Fields that may differ between the run that created a cache and one that resumes it.
+_VOLATILE = ("tool_version", "extra", "dataset_description", "features", "layer_id_convention")
+
+
+def mismatches(existing: Manifest, wanted: Manifest) -> list[tuple[str, Any, Any]]:
+    """(field, existing value, wanted value) for every field that differs, volatile ones aside."""
+    a, b = flatten(existing.to_json()), flatten(wanted.to_json())
+    keys = sorted(k for k in set(a) | set(b) if not k.startswith(_VOLATILE))
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    write_json_atomic(root / MANIFEST_FILE, manifest.to_json())
+
+
+def read_manifest(root: Path) -> Manifest:
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        raise CacheCorruptError(f"{root} is not a dflash-cache (no {MANIFEST_FILE}); check the path")
+    try:
+        obj = read_json(path)
+    except ValueError as e:
+        raise CacheCorruptError(f"{path} is unreadable ({e})") from None
+    return Manifest.from_json(obj)

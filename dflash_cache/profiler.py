@@ -1,0 +1,124 @@
+"""A stage profiler that never synchronises the GPU.
+
+Host stages are timed with `perf_counter`. Device stages record a pair of CUDA events and are
+resolved lazily: an event pair is only read once `query()` says both have completed, so timing
+adds no host synchronisation to the hot path. Every `interval` seconds `maybe_report` logs each
+stage's average and max wall time and the token rate since the last report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+ENV_VAR = "DFLASH_PROFILE_INTERVAL"
+
+
+def interval_from_env(value: float | None) -> float | None:
+    """The CLI value if given, else DFLASH_PROFILE_INTERVAL, else None (profiler off)."""
+    if value is not None:
+        return value if value > 0 else None
+    env = os.environ.get(ENV_VAR)
+    return float(env) if env and float(env) > 0 else None
+
+
+@dataclass
+class _Stat:
+    total: float = 0.0
+    peak: float = 0.0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.total += seconds
+        self.peak = max(self.peak, seconds)
+        self.count += 1
+
+
+@dataclass
+class StageProfiler:
+    interval: float | None = None
+    prefix: str = ""
+    _stats: dict[str, _Stat] = field(default_factory=lambda: defaultdict(_Stat))
+    _pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _tokens: int = 0
+    _last: float = field(default_factory=time.perf_counter)
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval is not None
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Host wall time of the block."""
+        if not self.enabled:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    @contextmanager
+    def device_span(self, name: str, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+        """Device time of the work the block enqueues on `stream`; host time on CPU."""
+        if not self.enabled or not torch.cuda.is_available() or stream is None:
+            with self.span(name):
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        try:
+            yield
+        finally:
+            end.record(stream)
+            with self._lock:
+                self._pending.append((name, start, end))
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._stats[name].add(seconds)
+
+    def add_tokens(self, n: int) -> None:
+        with self._lock:
+            self._tokens += n
+
+    def _resolve(self) -> None:
+        still = []
+        for name, start, end in self._pending:
+            if end.query():
+                self._stats[name].add(start.elapsed_time(end) / 1e3)
+            else:
+                still.append((name, start, end))
+        self._pending = still
+
+    def maybe_report(self, *, force: bool = False) -> str | None:
+        if not self.enabled:
+            return None
+        now = time.perf_counter()
+        if not force and now - self._last < self.interval:
+            return None
+        with self._lock:
+            self._resolve()
+            elapsed, self._last = now - self._last, now
+            lines = [f"{self.prefix}profile over {elapsed:.1f}s: {self._tokens / elapsed:,.0f} tok/s"]
+            for name in sorted(self._stats):
+                s = self._stats[name]
+                lines.append(
+                    f"  {name:<28} avg {1e3 * s.total / s.count:9.2f} ms  max {1e3 * s.peak:9.2f} ms  n={s.count}"
+                )
+            self._stats.clear()
+            self._tokens = 0
+        report = "\n".join(lines)
+        log.info("%s", report)
+        return report

@@ -1,0 +1,247 @@
+"""The overlapped extraction pipeline of one rank.
+
+    reader thread    dataset rows -> padded ids, mask, gather index (host; pinned on CUDA)
+    main thread      H2D -> cut target forward with packing hooks -> codec encode (fp8 on GPU)
+                     -> D2H into pinned buffers on a side stream (no host sync)
+    writer threads   wait for the copy's event -> compress + write the segment -> commit
+
+Stages are joined by bounded queues (the reader's queue, a semaphore on in-flight segments), so
+memory stays bounded and a slow stage back-pressures the ones before it. The main thread never
+waits on the GPU: only writer threads synchronise, each on its own batch's event.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash_cache.codecs import get_codec
+from dflash_cache.errors import UserError
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.segments import SegmentRecord, write_segment
+from extract.dataset import Row, TokenizedDataset
+from extract.planning import PlannedBatch
+from extract.target import HiddenStateCapture
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostBatch:
+    """A planned batch read from the dataset, laid out for the forward and for the segment."""
+
+    planned: PlannedBatch
+    input_ids: torch.Tensor   # int64 [B, L], right-padded with 0
+    attention: torch.Tensor   # int64 [B, L]
+    gather: torch.Tensor      # int64 [T], flat indices of real tokens
+    packed_ids: np.ndarray    # int32 [T]
+    packed_mask: np.ndarray   # uint8 [T]
+    lengths: np.ndarray       # int64 [n]
+
+
+def layout_batch(planned: PlannedBatch, rows: list[Row], pin: bool) -> HostBatch:
+    lengths = np.array([len(r.input_ids) for r in rows], dtype=np.int64)
+    b, width = len(rows), int(lengths.max())
+    ids = np.zeros((b, width), dtype=np.int64)
+    attention = np.zeros((b, width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r.input_ids)] = r.input_ids
+        attention[i, : len(r.input_ids)] = 1
+    gather = np.flatnonzero(attention.reshape(-1))
+    tensors = [torch.from_numpy(a) for a in (ids, attention, gather)]
+    if pin:
+        tensors = [t.pin_memory() for t in tensors]
+    return HostBatch(
+        planned=planned,
+        input_ids=tensors[0],
+        attention=tensors[1],
+        gather=tensors[2],
+        packed_ids=np.concatenate([r.input_ids for r in rows]).astype(np.int32),
+        packed_mask=np.concatenate([r.loss_mask for r in rows]).astype(np.uint8),
+        lengths=lengths,
+    )
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class BatchReader:
+    """Background thread reading planned batches in order; one unit's rows are cached at a time."""
+
+    def __init__(self, dataset: TokenizedDataset, batches: list[PlannedBatch], *, unit_rows: int,
+                 max_len: int | None, overlong: str, depth: int, pin: bool, profiler: StageProfiler) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._args = (dataset, batches, unit_rows, max_len, overlong, pin, profiler)
+        self._thread = threading.Thread(target=self._run, name="dflash-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        dataset, batches, unit_rows, max_len, overlong, pin, profiler = self._args
+        try:
+            unit, rows_by_index = -1, {}
+            for planned in batches:
+                with profiler.span("loader.read_rows"):
+                    if planned.unit != unit:
+                        unit = planned.unit
+                        start = unit * unit_rows
+                        stop = min(dataset.num_rows, start + unit_rows)
+                        rows = dataset.read_rows(start, stop, max_len=max_len, overlong=overlong)
+                        rows_by_index = {r.index: r for r in rows}
+                    host = layout_batch(planned, [rows_by_index[int(i)] for i in planned.rows], pin)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(host, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(None)
+        except BaseException as e:  # handed to the main thread, which re-raises it
+            self._queue.put(_Failure(e))
+
+    def __iter__(self) -> Iterator[HostBatch]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _disk_error(root: Path, exc: OSError) -> UserError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"disk full while writing to {root}; free space and run the same command again "
+                         "(committed segments are kept)")
+    return UserError(f"cannot write to {root}: {exc.strerror or exc}; check the path and permissions")
+
+
+@dataclass
+class RankResult:
+    segments: int
+    tokens: int
+    seconds: float
+
+
+class RankExtractor:
+    """Runs one rank's share of the plan on one device."""
+
+    def __init__(self, *, root: Path, dataset: TokenizedDataset, model: torch.nn.Module, layer_ids: list[int],
+                 codec: str, device: torch.device, rank: int, writers: int, prefetch: int,
+                 unit_rows: int, max_len: int | None, overlong: str, profiler: StageProfiler,
+                 progress: bool) -> None:
+        self.root, self.dataset, self.device, self.rank = root, dataset, device, rank
+        self.capture = HiddenStateCapture(model, layer_ids)
+        self.n_layers = len(layer_ids)
+        self.codec = get_codec(codec)
+        self.specs = self.codec.arrays(self.n_layers, self.capture.hidden_size)
+        self.writers, self.prefetch, self.unit_rows = writers, prefetch, unit_rows
+        self.max_len, self.overlong = max_len, overlong
+        self.profiler, self.progress = profiler, progress
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def run(self, batches: list[PlannedBatch]) -> RankResult:
+        total = sum(b.num_tokens for b in batches)
+        bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
+                   desc=f"extract rank {self.rank}", disable=not self.progress)
+        reader = BatchReader(self.dataset, batches, unit_rows=self.unit_rows, max_len=self.max_len,
+                             overlong=self.overlong, depth=self.prefetch, pin=self.cuda, profiler=self.profiler)
+        in_flight = threading.BoundedSemaphore(self.writers + 2)
+        futures: list[Future] = []
+        bar_lock = threading.Lock()
+        t0 = time.perf_counter()
+
+        def done(fut: Future, n_tokens: int) -> None:
+            in_flight.release()
+            if fut.exception() is None:
+                with bar_lock:
+                    bar.update(n_tokens)
+
+        try:
+            with ThreadPoolExecutor(self.writers, thread_name_prefix="dflash-writer") as pool:
+                for host in reader:
+                    self._raise_first_error(futures)
+                    job = self._forward(host)
+                    in_flight.acquire()
+                    fut = pool.submit(self._write, host, *job)
+                    fut.add_done_callback(lambda f, n=host.planned.num_tokens: done(f, n))
+                    futures.append(fut)
+                    self.profiler.add_tokens(host.planned.num_tokens)
+                    self.profiler.maybe_report()
+                for fut in futures:
+                    fut.result()
+        except OSError as e:
+            raise _disk_error(self.root, e) from None
+        finally:
+            reader.close()
+            for fut in futures:
+                fut.cancel()
+            bar.close()
+        self.profiler.maybe_report(force=True)
+        return RankResult(segments=len(futures), tokens=total, seconds=time.perf_counter() - t0)
+
+    @staticmethod
+    def _raise_first_error(futures: list[Future]) -> None:
+        while futures and futures[0].done():
+            futures.pop(0).result()  # raises the writer's exception, if any
+
+    def _forward(self, host: HostBatch) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """Enqueue H2D, forward, pack, encode and D2H; returns host arrays and their ready event."""
+        stream = torch.cuda.current_stream(self.device) if self.cuda else None
+        with self.profiler.device_span("target.h2d", stream):
+            ids = host.input_ids.to(self.device, non_blocking=True)
+            attention = host.attention.to(self.device, non_blocking=True)
+            gather = host.gather.to(self.device, non_blocking=True)
+        with self.profiler.device_span("target.model_forward", stream):
+            features = self.capture(ids, attention, gather)
+        with self.profiler.device_span("target.encode", stream):
+            encoded = self.codec.encode(features, self.n_layers)
+        if not self.cuda:  # fresh tensors per batch: nothing reuses them, no copy needed
+            return encoded, None
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        out: dict[str, torch.Tensor] = {}
+        with torch.cuda.stream(self.copy_stream), self.profiler.device_span("target.d2h", self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            for k, v in encoded.items():
+                v.record_stream(self.copy_stream)  # keep the allocator off it until the copy is done
+                out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                out[k].copy_(v, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.copy_stream)
+        return out, copied
+
+    def _write(self, host: HostBatch, arrays: dict[str, torch.Tensor], copied: torch.cuda.Event | None) -> SegmentRecord:
+        if copied is not None:
+            with self.profiler.span("writer.wait_d2h"):
+                copied.synchronize()
+        feature_arrays = {}
+        for k, t in arrays.items():
+            a = t.numpy()
+            feature_arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        p = host.planned
+        with self.profiler.span("writer.compress_write_commit"):
+            return write_segment(
+                self.root, unit=p.unit, batch=p.batch, bucket=p.bucket, rank=self.rank,
+                feature_arrays=feature_arrays, feature_specs=self.specs, input_ids=host.packed_ids,
+                loss_mask=host.packed_mask, lengths=host.lengths, sample_ids=p.rows,
+            )

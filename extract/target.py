@@ -1,0 +1,236 @@
+"""The target model: loading it, choosing DFlash layers, and capturing their packed outputs.
+
+Only the decoder layers up to the last selected one are built and loaded (the config is cut
+before `from_pretrained`), the final norm is replaced by identity and the LM head is never run:
+extraction pays for exactly the layers it keeps. Each selected layer's output is packed over real
+tokens by a forward hook as soon as the layer finishes, straight into its column block of the
+[T, n_layers * H] result, so no padded [B, L, n_layers * H] tensor ever exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_cache.errors import UserError
+from dflash_cache.manifest import TargetIdentity
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+TINY_SEED = 1234
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+# Config keys that say nothing about the computation the target performs.
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                         "_attn_implementation", "_attn_implementation_autoset", "architectures",
+                         "_commit_hash", "output_hidden_states", "return_dict"}
+
+
+def tiny_config():
+    """A small Qwen3-architecture target for tests and the demo: 8 layers, hidden 128."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
+        tie_word_embeddings=True, initializer_range=0.1, rms_norm_eps=1e-6,
+    )
+
+
+def build_tiny_target(num_layers: int | None = None) -> nn.Module:
+    """The tiny target with weights from a fixed seed; global RNG state is left untouched."""
+    from transformers import Qwen3ForCausalLM
+
+    config = tiny_config()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = Qwen3ForCausalLM(config)
+    if num_layers is not None:
+        model.model.layers = model.model.layers[:num_layers]
+    return model.eval()
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UserError(f"unknown --dtype {name!r}; choose one of: {', '.join(DTYPES)}") from None
+
+
+def select_layers(num_hidden_layers: int, count: int) -> list[int]:
+    """DFlash's default: `count` layers spread evenly from 1 to L-3, rounded (36 -> 1,9,17,25,33)."""
+    if count < 1:
+        raise UserError(f"--num-layers must be at least 1, got {count}")
+    hi = num_hidden_layers - 3
+    if hi < 1 or count > hi:
+        raise UserError(
+            f"a {num_hidden_layers}-layer target cannot give {count} distinct layers in 1..{hi}; "
+            "lower --num-layers or pass --layers"
+        )
+    # count <= hi makes the step >= 1, so rounding keeps the ids distinct.
+    return [int(np.floor(x + 0.5)) for x in np.linspace(1, hi, count)]
+
+
+def check_layers(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
+    if not layer_ids:
+        raise UserError("--layers is empty; give comma-separated decoder layer indices like 1,9,17")
+    if sorted(set(layer_ids)) != list(layer_ids):
+        raise UserError(f"--layers {layer_ids} must be strictly increasing with no repeats")
+    if layer_ids[0] < 0 or layer_ids[-1] > num_hidden_layers - 2:
+        raise UserError(
+            f"--layers {layer_ids} must lie in 0..{num_hidden_layers - 2} for a {num_hidden_layers}-layer "
+            "target (the last layer's output is post-norm in Hugging Face and is never used)"
+        )
+    return list(layer_ids)
+
+
+def config_hash(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What the user asked for: which model, in which dtype, capturing which layers."""
+
+    model: str
+    dtype: str = "bfloat16"
+    num_layers: int = 5
+    layers: tuple[int, ...] | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TargetDescription:
+    """A target resolved from its config alone (no weights): identity and layer ids."""
+
+    spec: TargetSpec
+    config: object
+    identity: TargetIdentity
+    layer_ids: list[int]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+
+def _load_config(name: str, trust_remote_code: bool):
+    if name == TINY:
+        return tiny_config()
+    path = Path(name)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UserError(
+            f"--model {name}: not a local model directory with a config.json "
+            "(models are never downloaded; pass a local path or 'tiny')"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UserError(f"--model {name}: cannot read its config ({type(e).__name__}: {e})") from None
+
+
+def describe_target(spec: TargetSpec) -> TargetDescription:
+    """Resolve layer ids and the target's identity from its config; cheap, loads no weights."""
+    dtype = parse_dtype(spec.dtype)
+    config = _load_config(spec.model, spec.trust_remote_code)
+    total = int(config.num_hidden_layers)
+    layer_ids = check_layers(list(spec.layers), total) if spec.layers else select_layers(total, spec.num_layers)
+    identity = TargetIdentity(
+        name=spec.model if spec.model == TINY else str(Path(spec.model).resolve()),
+        model_type=str(getattr(config, "model_type", "unknown")),
+        config_hash=config_hash(config),
+        dtype=str(dtype).removeprefix("torch."),
+        num_hidden_layers=total,
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+    )
+    return TargetDescription(spec=spec, config=config, identity=identity, layer_ids=layer_ids)
+
+
+def load_target(desc: TargetDescription, device: torch.device) -> nn.Module:
+    """The target's weights cut after its last selected layer, in eval mode, on `device`."""
+    keep = desc.layer_ids[-1] + 1
+    dtype = parse_dtype(desc.spec.dtype)
+    if desc.spec.model == TINY:
+        model = build_tiny_target(keep)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(desc.config)
+        config.num_hidden_layers = keep
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:keep]
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                desc.spec.model, config=config, dtype=dtype,
+                trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
+            )
+        except Exception as e:
+            raise UserError(f"--model {desc.spec.model}: cannot load weights ({type(e).__name__}: {e})") from None
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    log.info("target %s: %d of %d layers kept, capturing %s", desc.identity.name, keep,
+             desc.identity.num_hidden_layers, desc.layer_ids)
+    return model
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The bare decoder stack (embeddings + layers) of a causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
+        raise UserError(f"{type(model).__name__} has no decoder layer list; this architecture is not supported")
+    return base
+
+
+class HiddenStateCapture:
+    """Runs the cut target and returns the selected layers packed over real tokens.
+
+    `__call__(input_ids [B, L], attention_mask [B, L], gather [T])` returns bf16 [T, n*H] where
+    `gather` holds the flat indices b * L + t of the real tokens (built on the host, so packing
+    needs no `nonzero()` and no host synchronisation).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        self.decoder = decoder_of(model)
+        self.layer_ids = layer_ids
+        self.hidden_size = int(model.config.hidden_size)
+        if hasattr(self.decoder, "norm"):
+            self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
+        self._out: torch.Tensor | None = None
+        self._gather: torch.Tensor | None = None
+        for col, layer_id in enumerate(layer_ids):
+            self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
+
+    def _hook(self, col: int):
+        h = self.hidden_size
+
+        def pack(_module: nn.Module, _args: tuple, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            assert self._out is not None and self._gather is not None
+            flat = hidden.reshape(-1, h).index_select(0, self._gather)
+            self._out[:, col * h : (col + 1) * h].copy_(flat)
+
+        return pack
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
+        n_tokens = gather.shape[0]
+        width = len(self.layer_ids) * self.hidden_size
+        self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
+        self._gather = gather
+        try:
+            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return self._out
+        finally:
+            self._out, self._gather = None, None

@@ -1,0 +1,43 @@
+"""Shared fixtures: small tokenized datasets on disk and a helper to run extraction in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from extract.config import ExtractConfig
+from extract.planning import PlanConfig
+from extract.target import TargetSpec
+
+SMALL_PLAN = PlanConfig(token_budget=1024, max_rows=8, unit_rows=16, bucket_bounds=(0, 32, 64))
+
+
+def random_rows(n: int, seed: int = 0, vocab: int = 2048, lo: int = 8, hi: int = 96) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    ids, masks = [], []
+    for _ in range(n):
+        length = int(rng.integers(lo, hi))
+        ids.append(rng.integers(0, vocab, size=length).tolist())
+        prompt = int(rng.integers(1, length))
+        masks.append([0] * prompt + [1] * (length - prompt))
+    return pa.table({"input_ids": ids, "loss_mask": masks})
+
+
+@pytest.fixture(scope="session")
+def small_parquet(tmp_path_factory) -> Path:
+    """48 random rows of 8..95 tokens: several units, buckets and batches under SMALL_PLAN."""
+    path = tmp_path_factory.mktemp("data") / "small.parquet"
+    pq.write_table(random_rows(48), path, row_group_size=10)
+    return path
+
+
+def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
+    target = overrides.pop("target", TargetSpec(model="tiny"))
+    base = dict(target=target, data=str(data), out=str(out), codec="bf16", plan=SMALL_PLAN, writers=2,
+                progress=False)
+    base.update(overrides)
+    return ExtractConfig(**base)

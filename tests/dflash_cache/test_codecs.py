@@ -1,0 +1,134 @@
+"""Codec round trips through write_segment + CacheReader, chunk checksums, and compression."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.codecs import get_codec
+from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.fp8 import fp8_error_bound
+from dflash_cache.reader import CacheReader
+from dflash_cache.segments import SEGMENTS_DIR
+from tests.dflash_cache._util import bf16_features, flip_byte, synthetic_cache
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16"])
+def test_lossless_round_trip_is_bit_exact(tmp_path, codec):
+    m, [(rec, inp)] = synthetic_cache(tmp_path, codec)
+    x = inp["features"]
+    bits = _bits(x)
+    assert (bits == 0x8000).sum() == 13 and (bits == 0).sum() == 13  # negative and positive zeros survive setup
+    r = CacheReader(tmp_path)
+    assert [x.name for x in r.records] == ["u000000-b00000"]
+
+    arrays = r.read_segment(rec.name)
+    assert set(arrays) == {"input_ids", "loss_mask", "offsets", "sample_ids", "features"}
+    assert arrays["features"].dtype == np.uint16 and arrays["features"].shape == (60, m.feature_width)
+    np.testing.assert_array_equal(arrays["features"], bits)
+    np.testing.assert_array_equal(arrays["input_ids"], inp["input_ids"])
+    np.testing.assert_array_equal(arrays["loss_mask"], inp["loss_mask"])
+    np.testing.assert_array_equal(arrays["offsets"], [0, 17, 42, 60])
+    np.testing.assert_array_equal(arrays["sample_ids"], [0, 1, 2])
+
+    decoded = r.decode_features(arrays)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == x.shape
+    np.testing.assert_array_equal(_bits(decoded), bits)
+
+    for sid, (lo, hi) in zip([0, 1, 2], [(0, 17), (17, 42), (42, 60)], strict=True):
+        s = r.sample(sid)
+        assert s.segment == rec.name and s.sample_id == sid
+        np.testing.assert_array_equal(_bits(s.features), bits[lo:hi])
+        np.testing.assert_array_equal(s.input_ids, inp["input_ids"][lo:hi])
+        np.testing.assert_array_equal(s.loss_mask, inp["loss_mask"][lo:hi])
+
+
+def test_fp8_round_trip_within_bound(tmp_path):
+    m, [(rec, inp)] = synthetic_cache(tmp_path, "fp8")
+    # fp8 scales a whole layer slice per token by its amax; keep the data free of 3e38 so it is finite.
+    x = inp["features"]
+    r = CacheReader(tmp_path)
+    arrays = r.read_segment(rec.name)
+    assert set(arrays) == {"input_ids", "loss_mask", "offsets", "sample_ids", "features", "scales"}
+    assert arrays["features"].dtype == np.uint8 and arrays["features"].shape == (60, m.feature_width)
+    assert arrays["scales"].dtype == np.float32 and arrays["scales"].shape == (60, m.n_layers)
+    np.testing.assert_array_equal(arrays["features"], inp["stored"]["features"])
+    np.testing.assert_array_equal(arrays["scales"], inp["stored"]["scales"])
+
+    bound = fp8_error_bound(x, m.n_layers)
+    decoded = r.decode_features(arrays)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == x.shape
+    err = (decoded.float() - x.float()).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+    assert err.max().item() > 0  # it is lossy: the comparison is not vacuous
+    for sid, (lo, hi) in zip([0, 1, 2], [(0, 17), (17, 42), (42, 60)], strict=True):
+        f = r.sample(sid).features
+        assert f.shape == (hi - lo, m.feature_width)
+        assert bool(((f.float() - x[lo:hi].float()).abs() <= bound[lo:hi]).all())
+
+
+def test_encode_refuses_non_bf16():
+    with pytest.raises(ValueError, match="bfloat16"):
+        get_codec("bf16").encode(torch.zeros(2, 4), 1)
+    with pytest.raises(UserError, match="unknown codec"):
+        get_codec("zstd9")
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "fp8"])
+def test_flipped_byte_in_features_shard_raises_naming_segment(tmp_path, codec):
+    _, [(rec, _)] = synthetic_cache(tmp_path, codec)
+    shard = tmp_path / SEGMENTS_DIR / rec.name / "features" / "c" / "0" / "0"
+    flip_byte(shard)
+    r = CacheReader(tmp_path)
+    with pytest.raises(CacheCorruptError, match=rec.name):
+        r.read_segment(rec.name)
+    with pytest.raises(CacheCorruptError, match=rec.name):
+        r.sample(1)
+
+
+def test_flipped_byte_in_real_cache_raises(cache_copy):
+    root = cache_copy("bf16")
+    r = CacheReader(root)
+    name = r.records[0].name
+    flip_byte(root / SEGMENTS_DIR / name / "features" / "c" / "0" / "0")
+    with pytest.raises(CacheCorruptError, match=f"segment {name}"):
+        r.read_array(name, "features")
+    # the other segments still read
+    other = r.records[1].name
+    assert r.read_array(other, "features").shape[0] == r.records[1].num_tokens
+
+
+def test_bf16_compresses_smaller_than_none(real_cache):
+    sizes = {}
+    for codec in ("none", "bf16", "fp8"):
+        r = CacheReader(real_cache(codec))
+        feats = sum(size for rec in r.records for rel, size in rec.files.items() if rel.startswith("features/"))
+        sizes[codec] = feats
+        assert r.num_tokens == 21306
+    raw = 21306 * 5 * 128 * 2
+    assert sizes["none"] >= raw  # checksummed raw bits, no compression
+    assert sizes["bf16"] < 0.9 * sizes["none"], sizes
+    assert sizes["fp8"] < 0.6 * sizes["none"], sizes
+
+
+def test_real_caches_agree_across_codecs(real_cache):
+    """The lossless codecs store identical features; fp8 stays within its bound of them."""
+    none, bf16, fp8 = (CacheReader(real_cache(c)) for c in ("none", "bf16", "fp8"))
+    sid = int(none.index.column("sample_id")[5].as_py())
+    a, b, c = none.sample(sid), bf16.sample(sid), fp8.sample(sid)
+    np.testing.assert_array_equal(_bits(a.features), _bits(b.features))
+    np.testing.assert_array_equal(a.input_ids, c.input_ids)
+    bound = fp8_error_bound(a.features, 5)
+    assert bool(((c.features.float() - a.features.float()).abs() <= bound).all())
+
+
+def test_bf16_features_helper_has_the_promised_specials():
+    x = bf16_features(10, 64)
+    bits = _bits(x)
+    assert (bits == 0x8000).sum() == 13
+    assert torch.isfinite(x).all()

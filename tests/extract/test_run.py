@@ -1,0 +1,199 @@
+"""End-to-end extraction on the CPU: resume, crashes, refusals, bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_cache.cli import cli
+from dflash_cache.inspect import verify
+from dflash_cache.lock import CacheLock
+from dflash_cache.reader import CacheReader
+from dflash_cache.segments import read_records
+from extract.prepare import open_or_create, plan_job
+from extract.run import extract, run_rank
+from tests.conftest import extract_config, random_rows
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--model", "tiny", "--gpus", "cpu", "--token-budget", "1024", "--max-rows", "8", "--unit-rows", "16",
+         "--buckets", "0,32,64", "--no-progress", "--writers", "2"]
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def sample_ids(root: Path) -> list[int]:
+    return sorted(s for r in read_records(root) for s in r.sample_ids)
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not (out / "manifest.json").exists()
+    assert not list((out / "commits").glob("*.json")) if (out / "commits").exists() else True
+
+
+def test_extract_then_resume_is_a_no_op(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    r = run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL)
+    assert r.exit_code == 0, r.output
+    assert "Batches per epoch:" in r.output and "complete:" in r.output
+    first = {p.name: p.stat().st_mtime_ns for p in (out / "commits").iterdir()}
+    r = run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL)
+    assert r.exit_code == 0 and f"{len(first)} of {len(first)} segments already committed; 0 to extract" in r.output
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "commits").iterdir()} == first
+    assert sample_ids(out) == list(range(48))
+
+
+def test_resume_with_another_rank_count(small_parquet, tmp_path):
+    """Rank 0 of a 2-way run finishes, rank 1 never runs; a 1-way resume does exactly the rest."""
+    cfg = extract_config(small_parquet, tmp_path / "c")
+    job = plan_job(cfg)
+    with CacheLock(job.root):
+        committed = open_or_create(job)
+        run_rank(job, committed, rank=0, world=2, device=torch.device("cpu"))
+    half = sample_ids(job.root)
+    assert 0 < len(half) < 48
+    assert {r.unit % 2 for r in read_records(job.root)} == {0}
+    extract(cfg, "cpu", echo=lambda *_: None)
+    assert sample_ids(job.root) == list(range(48))
+    assert not verify(CacheReader(job.root))
+
+
+def test_sigkill_then_resume_gives_exact_sample_set(tmp_path):
+    data = tmp_path / "big.parquet"
+    pq.write_table(random_rows(160, seed=1, lo=8, hi=64), data, row_group_size=100)
+    out = tmp_path / "c"
+    args = [sys.executable, "-m", "dflash_cache.cli", "extract", "--data", str(data), "--out", str(out),
+            *SMALL, "--token-budget", "128", "--writers", "1"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "commits").is_dir() and len(list((out / "commits").glob("*.json"))) >= 5:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "extraction finished before it could be killed; make the job bigger"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = sample_ids(out)
+    assert 0 < len(partial) < 160 and len(partial) == len(set(partial))
+    assert not verify(CacheReader(out)), "a killed run must leave only whole, committed segments visible"
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sample_ids(out) == list(range(160))
+    reader = CacheReader(out)
+    assert reader.complete and not verify(reader)
+
+
+def _bad(tmp_path: Path, table: pa.Table) -> Path:
+    path = tmp_path / "bad.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+BAD_INPUTS = {
+    "missing loss_mask": (pa.table({"input_ids": [[1, 2, 3]]}), "loss_mask"),
+    "unknown columns": (pa.table({"tokens": [[1, 2]], "text": ["x"]}), "input_ids"),
+    "wrong type": (pa.table({"input_ids": [["a", "b"]], "loss_mask": [[0, 1]]}), "input_ids"),
+    "empty row": (pa.table({"input_ids": [[1, 2], []], "loss_mask": [[0, 1], []]}), "empty"),
+    "length mismatch": (pa.table({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1]]}), "length"),
+    "id outside vocab": (pa.table({"input_ids": [[1, 5000]], "loss_mask": [[0, 1]]}), "5000"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, case):
+    table, needle = BAD_INPUTS[case]
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["extract", "--data", str(_bad(tmp_path, table)), "--out", str(out), *SMALL])
+    assert r.exit_code == 2, r.output
+    error_lines = [line for line in r.output.splitlines() if line.startswith("Error:")]
+    assert len(error_lines) == 1 and needle in error_lines[0], r.output
+    assert "Traceback" not in r.output
+    assert_nothing_written(out)
+
+
+def test_unreadable_path_exits_2(tmp_path):
+    r = CliRunner().invoke(cli, ["extract", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "c"), *SMALL])
+    assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_existing_cache_made_differently_is_refused(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
+    for extra, field in ((["--codec", "fp8"], "codec"), (["--layers", "1,2"], "layer_ids"),
+                         (["--dtype", "float32"], "target.dtype")):
+        r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, *extra])
+        assert r.exit_code == 2 and field in r.output and "--overwrite" in r.output, r.output
+    r = run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--codec", "fp8", "--overwrite")
+    assert r.exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["codec"] == "fp8"
+    assert sample_ids(out) == list(range(48))
+
+
+def test_second_extract_into_same_cache_is_refused(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    with CacheLock(out):
+        r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL])
+    assert r.exit_code == 2 and "being written" in r.output
+    assert_nothing_written(out)
+
+
+def test_non_cache_directory_is_not_clobbered(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--overwrite"])
+    assert r.exit_code == 2 and "not a dflash-cache" in r.output
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, monkeypatch):
+    import dflash_cache.segments as segments
+
+    real = segments.write_array
+    calls = {"n": 0}
+
+    def failing(store, name, data, compressors):
+        calls["n"] += 1
+        if calls["n"] > 12:  # a few segments succeed, then the disk fills mid-segment
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(store, name, data, compressors)
+
+    monkeypatch.setattr(segments, "write_array", failing)
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--writers", "1"])
+    assert r.exit_code == 2 and "disk full" in r.output, r.output
+    committed = read_records(out)
+    assert 0 < len(committed) < 12
+    assert not verify(CacheReader(out))
+    monkeypatch.setattr(segments, "write_array", real)
+    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
+    assert sample_ids(out) == list(range(48))
+
+
+def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    port = 29500 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "dflash_cache.cli", "extract", "--data", str(small_parquet), "--out", str(out), *SMALL]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_records(out)
+    assert {r.rank for r in records} == {0, 1}
+    assert sample_ids(out) == list(range(48))
+    assert not verify(CacheReader(out))
+    assert np.all([r.unit % 2 == r.rank for r in records])

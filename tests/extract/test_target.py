@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.errors import UserError
+from dflash_cache.reader import CacheReader
+from extract.run import extract
+from extract.target import TargetSpec, build_tiny_target, check_layers, describe_target, load_target, select_layers
+from tests.conftest import extract_config
+
+
+@pytest.mark.parametrize("layers,count,expected", [
+    (36, 5, [1, 9, 17, 25, 33]),   # Qwen3-8B
+    (64, 5, [1, 16, 31, 46, 61]),  # a 64-layer target
+    (8, 5, [1, 2, 3, 4, 5]),       # the tiny target
+    (36, 1, [1]),
+])
+def test_default_layer_choice(layers, count, expected):
+    assert select_layers(layers, count) == expected
+
+
+@pytest.mark.parametrize("ids", [[], [3, 1], [1, 1], [-1, 2], [1, 7]])
+def test_bad_layer_ids(ids):
+    with pytest.raises(UserError):
+        check_layers(ids, 8)
+
+
+def test_too_many_layers_for_target():
+    with pytest.raises(UserError, match="--num-layers"):
+        select_layers(8, 6)
+
+
+def test_cut_target_runs_only_needed_layers():
+    desc = describe_target(TargetSpec(model="tiny", layers=(1, 3)))
+    model = load_target(desc, torch.device("cpu"))
+    assert len(model.model.layers) == 4
+    assert desc.identity.num_hidden_layers == 8
+
+
+def test_cached_features_equal_plain_hf_forward(small_parquet, tmp_path):
+    """The cache holds HF hidden_states[k + 1] of every sample, packed, for the chosen layers."""
+    layers = (0, 2, 5)
+    cfg = extract_config(small_parquet, tmp_path / "c", codec="none",
+                         target=TargetSpec(model="tiny", dtype="float32", layers=layers))
+    extract(cfg, "cpu", echo=lambda *_: None)
+    reader = CacheReader(tmp_path / "c")
+    assert reader.complete and reader.num_samples == 48
+    full = build_tiny_target().float()
+    table = __import__("pyarrow.parquet", fromlist=["x"]).read_table(small_parquet)
+    worst = 0.0
+    for sid in (0, 7, 19, 33, 47):
+        ids = table.column("input_ids")[sid].as_py()
+        with torch.no_grad():
+            hs = full(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        ref = torch.cat([hs[k + 1][0] for k in layers], dim=1).to(torch.bfloat16).float()
+        got = reader.sample(sid)
+        assert got.input_ids.tolist() == ids
+        diff = (got.features.float() - ref).abs()
+        # Padded batch vs single sequence: equal up to one bf16 rounding step.
+        assert torch.all(diff <= 2**-7 * ref.abs() + 1e-5), f"sample {sid}: max diff {diff.max()}"
+        worst = max(worst, float(diff.max()))
+    assert np.isfinite(worst)
