@@ -82,6 +82,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        if not isinstance(obj, dict):
+            raise CacheCorruptError(f"not a dflash-cache manifest (a JSON {type(obj).__name__}, not an object)")
         if obj.get("format") != FORMAT_NAME:
             raise CacheCorruptError(f"not a dflash-cache manifest (format={obj.get('format')!r})")
         if obj.get("format_version") != FORMAT_VERSION:

@@ -103,7 +103,7 @@ class SegmentRecord:
             problems.append("lengths do not add up to num_tokens")
         if not 0 < self.num_tokens <= MAX_SEGMENT_TOKENS:
             problems.append(f"num_tokens {self.num_tokens} out of range")
-        if any(s < 0 or s > n for s, n in zip(self.supervised, self.lengths, strict=True)):
+        if any(s < 0 or s > n for s, n in zip(self.supervised, self.lengths, strict=False)):  # unequal lengths: above
             problems.append("supervised counts exceed lengths")
         for rel, size in self.files.items():
             if rel.startswith("/") or ".." in Path(rel).parts or size < 0:
@@ -263,7 +263,10 @@ def remove_uncommitted(root: Path, committed: set[str]) -> int:
     if seg_root.is_dir():
         for d in seg_root.iterdir():
             if d.name not in committed:
-                shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+                if d.is_dir() and not d.is_symlink():
+                    shutil.rmtree(d, ignore_errors=True)
+                else:  # a file or a symlink: remove the link itself, never what it points at
+                    d.unlink(missing_ok=True)
                 removed += 1
     commits = root / COMMITS_DIR
     if commits.is_dir():

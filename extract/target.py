@@ -209,8 +209,14 @@ class HiddenStateCapture:
             self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
         self._out: torch.Tensor | None = None
         self._gather: torch.Tensor | None = None
-        for col, layer_id in enumerate(layer_ids):
-            self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
+        self._hooks = [self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
+                       for col, layer_id in enumerate(layer_ids)]
+
+    def remove(self) -> None:
+        """Detach the hooks, leaving the model as it was (benchmarks reuse one model)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _hook(self, col: int):
         h = self.hidden_size

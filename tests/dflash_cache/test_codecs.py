@@ -25,7 +25,7 @@ def test_lossless_round_trip_is_bit_exact(tmp_path, codec):
     bits = _bits(x)
     assert (bits == 0x8000).sum() == 13 and (bits == 0).sum() == 13  # negative and positive zeros survive setup
     r = CacheReader(tmp_path)
-    assert [x.name for x in r.records] == ["u000000-b00000"]
+    assert [rr.name for rr in r.records] == ["u000000-b00000"]
 
     arrays = r.read_segment(rec.name)
     assert set(arrays) == {"input_ids", "loss_mask", "offsets", "sample_ids", "features"}
@@ -50,7 +50,6 @@ def test_lossless_round_trip_is_bit_exact(tmp_path, codec):
 
 def test_fp8_round_trip_within_bound(tmp_path):
     m, [(rec, inp)] = synthetic_cache(tmp_path, "fp8")
-    # fp8 scales a whole layer slice per token by its amax; keep the data free of 3e38 so it is finite.
     x = inp["features"]
     r = CacheReader(tmp_path)
     arrays = r.read_segment(rec.name)
