@@ -35,7 +35,9 @@ from dflash_cache.jsonio import TMP_SUFFIX, read_json, write_json_atomic
 SEGMENTS_DIR = "segments"
 COMMITS_DIR = "commits"
 NAME_RE = re.compile(r"^u(\d{6})-b(\d{5})$")
-CHUNK_BYTES = 8 << 20  # target bytes per compressed-chunk unit inside a shard
+CHUNK_BYTES = 8 << 20  # target bytes per compressed chunk inside a shard
+SHARD_BYTES = 96 << 20  # target bytes per shard file: several per large segment, so zarr
+                        # compresses them concurrently and one segment's write is not serial
 MAX_SEGMENT_TOKENS = 1 << 24
 
 
@@ -122,7 +124,8 @@ def write_array(store: LocalStore, name: str, data: np.ndarray, compressors: tup
     """One array as a single shard file of checksummed, compressed chunks, written in one call."""
     row_bytes = data.dtype.itemsize * (data.shape[1] if data.ndim == 2 else 1)
     rows = min(chunk_rows(row_bytes), max(16, data.shape[0]))
-    shard_rows = -(-data.shape[0] // rows) * rows
+    per_shard = max(1, SHARD_BYTES // (rows * row_bytes))
+    shard_rows = min(per_shard, -(-data.shape[0] // rows)) * rows
     tail = data.shape[1:]
     zarr.create_array(
         store=store,

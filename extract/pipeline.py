@@ -139,6 +139,7 @@ class RankResult:
     segments: int
     tokens: int
     seconds: float
+    drain_seconds: float  # from the last forward's submission to the last commit
 
 
 class RankExtractor:
@@ -187,6 +188,7 @@ class RankExtractor:
                     futures.append(fut)
                     self.profiler.add_tokens(host.planned.num_tokens)
                     self.profiler.maybe_report()
+                t_drain = time.perf_counter()
                 for fut in futures:
                     fut.result()
         except OSError as e:
@@ -197,7 +199,8 @@ class RankExtractor:
                 fut.cancel()
             bar.close()
         self.profiler.maybe_report(force=True)
-        return RankResult(segments=len(futures), tokens=total, seconds=time.perf_counter() - t0)
+        end = time.perf_counter()
+        return RankResult(segments=len(futures), tokens=total, seconds=end - t0, drain_seconds=end - t_drain)
 
     @staticmethod
     def _raise_first_error(futures: list[Future]) -> None:
@@ -220,8 +223,8 @@ class RankExtractor:
         ready = torch.cuda.Event()
         ready.record(stream)
         out: dict[str, torch.Tensor] = {}
+        self.copy_stream.wait_event(ready)
         with torch.cuda.stream(self.copy_stream), self.profiler.device_span("target.d2h", self.copy_stream):
-            self.copy_stream.wait_event(ready)
             for k, v in encoded.items():
                 v.record_stream(self.copy_stream)  # keep the allocator off it until the copy is done
                 out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_cache.errors import CacheCorruptError
+from dflash_cache.manifest import write_manifest
 from dflash_cache.reader import CacheReader
 from dflash_cache.segments import (
     COMMITS_DIR,
@@ -21,7 +22,7 @@ from dflash_cache.segments import (
     remove_uncommitted,
     segment_dir,
 )
-from tests.dflash_cache._util import synthetic_cache
+from tests.dflash_cache._util import make_manifest, synthetic_cache, write_synthetic_segment
 
 NAME = "u000000-b00000"
 
@@ -277,3 +278,21 @@ def test_rewriting_a_segment_replaces_crash_garbage(tmp_path):
     rec2, _ = write_synthetic_segment(tmp_path, m)
     assert not garbage.exists() and "junk.bin" not in rec2.files
     assert rec2 == rec
+
+
+def test_large_segment_is_split_into_several_shards(tmp_path, monkeypatch):
+    """Shards are written concurrently; each round-trips, and losing any one is reported."""
+    import dflash_cache.segments as segments
+
+    monkeypatch.setattr(segments, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(segments, "SHARD_BYTES", 8192)
+    (tmp_path / COMMITS_DIR).mkdir()
+    m = make_manifest(num_tokens=300)
+    write_manifest(tmp_path, m)
+    rec, inp = write_synthetic_segment(tmp_path, m, lengths=(100, 140, 60))
+    shards = sorted(p.name for p in (tmp_path / SEGMENTS_DIR / rec.name / "features" / "c").iterdir())
+    assert len(shards) == 5, shards  # 300 rows of 128 B: 16-row chunks, 64-row shards
+    stored = CacheReader(tmp_path).read_segment(rec.name)["features"]
+    assert np.array_equal(stored, inp["stored"]["features"])
+    (tmp_path / SEGMENTS_DIR / rec.name / "features" / "c" / "3" / "0").unlink()
+    assert check_files(tmp_path, rec) == ["features/c/3/0 is missing"]

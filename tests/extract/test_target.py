@@ -7,7 +7,14 @@ import torch
 from dflash_cache.errors import UserError
 from dflash_cache.reader import CacheReader
 from extract.run import extract
-from extract.target import TargetSpec, build_tiny_target, check_layers, describe_target, load_target, select_layers
+from extract.target import (
+    TargetSpec,
+    build_tiny_target,
+    check_layers,
+    describe_target,
+    load_target,
+    select_layers,
+)
 from tests.conftest import extract_config
 
 
