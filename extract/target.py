@@ -193,6 +193,31 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base
 
 
+def prebuilt_mask_ok(config) -> bool:
+    """Whether we may hand SDPA our own 4-D mask: SDPA attention and no sliding-window layers."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return impl == "sdpa" and all(t == "full_attention" for t in layer_types)
+
+
+def causal_padding_mask(attention: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool, True where query t may see key s: s <= t and s is a real token.
+
+    The same mask Hugging Face builds for right-padded SDPA batches, but made on the device
+    without looking at the data: HF's own path calls `.all()` on the 2-D mask, a host sync per
+    forward that leaves the GPU idle while the CPU catches up.
+    """
+    length = attention.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).tril_()
+    return causal[None, None] & attention.bool()[:, None, None, :]
+
+
+def run_backbone(decoder: nn.Module, input_ids: torch.Tensor, attention: torch.Tensor) -> None:
+    """The cut decoder stack on a right-padded batch (outputs are taken by hooks)."""
+    mask = causal_padding_mask(attention) if prebuilt_mask_ok(decoder.config) else attention
+    decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+
+
 class HiddenStateCapture:
     """Runs the cut target and returns the selected layers packed over real tokens.
 
@@ -236,7 +261,7 @@ class HiddenStateCapture:
         self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
         self._gather = gather
         try:
-            self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            run_backbone(self.decoder, input_ids, attention_mask)
             return self._out
         finally:
             self._out, self._gather = None, None

@@ -69,3 +69,21 @@ def test_cached_features_equal_plain_hf_forward(small_parquet, tmp_path):
         assert torch.all(diff <= 2**-7 * ref.abs() + 1e-5), f"sample {sid}: max diff {diff.max()}"
         worst = max(worst, float(diff.max()))
     assert np.isfinite(worst)
+
+
+def test_prebuilt_mask_is_causal_and_hides_padding():
+    from extract.target import causal_padding_mask
+
+    m = causal_padding_mask(torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    assert m.shape == (2, 1, 3, 3)
+    assert m[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert m[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, False]]
+
+
+def test_sliding_window_targets_keep_hugging_face_masks():
+    from extract.target import prebuilt_mask_ok, tiny_config
+
+    config = tiny_config()
+    assert prebuilt_mask_ok(config)
+    config.layer_types = ["sliding_attention"] + config.layer_types[1:]
+    assert not prebuilt_mask_ok(config)
