@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_cache.codecs import get_codec
+from dflash_cache.codecs import ArraySpec, get_codec
 from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.segments import SegmentRecord, write_segment
@@ -71,6 +71,31 @@ def layout_batch(planned: PlannedBatch, rows: list[Row], pin: bool) -> HostBatch
         packed_mask=np.concatenate([r.loss_mask for r in rows]).astype(np.uint8),
         lengths=lengths,
     )
+
+
+_TORCH_DTYPES = {np.dtype(np.uint16): torch.int16, np.dtype(np.uint8): torch.uint8,
+                 np.dtype(np.float32): torch.float32}
+
+
+class PinnedSlots:
+    """A fixed set of pinned host buffers for the device-to-host copies, allocated once.
+
+    Pinning gigabytes (cudaHostAlloc) takes long enough to stall the forward thread, so it is
+    done up front rather than per batch; a slot returns to the pool when its segment is written.
+    """
+
+    def __init__(self, specs: dict[str, ArraySpec], rows: int, count: int) -> None:
+        self.rows = rows
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self._free.put({k: torch.empty((rows, spec.columns), dtype=_TORCH_DTYPES[spec.dtype], pin_memory=True)
+                            for k, spec in specs.items()})
+
+    def acquire(self) -> dict[str, torch.Tensor]:
+        return self._free.get()
+
+    def release(self, slot: dict[str, torch.Tensor]) -> None:
+        self._free.put(slot)
 
 
 class _Failure:
@@ -159,9 +184,21 @@ class RankExtractor:
         self.profiler, self.progress = profiler, progress
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._slots: PinnedSlots | None = None
+
+    def _ensure_slots(self, batches: list[PlannedBatch]) -> None:
+        """Pinned buffers for the largest batch, one per segment that may be in flight."""
+        need = max((b.num_tokens for b in batches), default=0)
+        if self.cuda and need and (self._slots is None or self._slots.rows < need):
+            t0 = time.perf_counter()
+            self._slots = None
+            self._slots = PinnedSlots(self.specs, need, self.writers + 2)
+            log.info("pinned %d host buffers of %d tokens in %.1fs", self.writers + 2, need, time.perf_counter() - t0)
 
     def run(self, batches: list[PlannedBatch]) -> RankResult:
         total = sum(b.num_tokens for b in batches)
+        t0 = time.perf_counter()
+        self._ensure_slots(batches)
         bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
                    desc=f"extract rank {self.rank}", disable=not self.progress)
         reader = BatchReader(self.dataset, batches, unit_rows=self.unit_rows, max_len=self.max_len,
@@ -169,7 +206,6 @@ class RankExtractor:
         in_flight = threading.BoundedSemaphore(self.writers + 2)
         futures: list[Future] = []
         bar_lock = threading.Lock()
-        t0 = time.perf_counter()
 
         def done(fut: Future, n_tokens: int) -> None:
             in_flight.release()
@@ -207,8 +243,9 @@ class RankExtractor:
         while futures and futures[0].done():
             futures.pop(0).result()  # raises the writer's exception, if any
 
-    def _forward(self, host: HostBatch) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
-        """Enqueue H2D, forward, pack, encode and D2H; returns host arrays and their ready event."""
+    def _forward(self, host: HostBatch) -> tuple[dict[str, torch.Tensor], tuple | None]:
+        """Enqueue H2D, forward, pack, encode and D2H; returns host arrays and, on CUDA, the copy's
+        event and the pinned slot holding them."""
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         with self.profiler.device_span("target.h2d", stream):
             ids = host.input_ids.to(self.device, non_blocking=True)
@@ -222,21 +259,31 @@ class RankExtractor:
             return encoded, None
         ready = torch.cuda.Event()
         ready.record(stream)
+        assert self._slots is not None
+        slot = self._slots.acquire()
         out: dict[str, torch.Tensor] = {}
         self.copy_stream.wait_event(ready)
         with torch.cuda.stream(self.copy_stream), self.profiler.device_span("target.d2h", self.copy_stream):
             for k, v in encoded.items():
                 v.record_stream(self.copy_stream)  # keep the allocator off it until the copy is done
-                out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                out[k] = slot[k][: v.shape[0]]
                 out[k].copy_(v, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(self.copy_stream)
-        return out, copied
+        return out, (copied, slot)
 
-    def _write(self, host: HostBatch, arrays: dict[str, torch.Tensor], copied: torch.cuda.Event | None) -> SegmentRecord:
-        if copied is not None:
+    def _write(self, host: HostBatch, arrays: dict[str, torch.Tensor], pending: tuple | None) -> SegmentRecord:
+        if pending is None:
+            return self._write_segment(host, arrays)
+        copied, slot = pending
+        try:
             with self.profiler.span("writer.wait_d2h"):
                 copied.synchronize()
+            return self._write_segment(host, arrays)
+        finally:
+            self._slots.release(slot)
+
+    def _write_segment(self, host: HostBatch, arrays: dict[str, torch.Tensor]) -> SegmentRecord:
         feature_arrays = {}
         for k, t in arrays.items():
             a = t.numpy()
