@@ -169,7 +169,8 @@ def main() -> None:
             overlong="truncate", profiler=profiler, progress=False,
         )
         fresh_cache(root)
-        extractor.run(batches[:3])  # warm-up: codec kernels, pinned pool, writer threads
+        extractor.prepare(batches)  # pinned D2H buffers (start-up cost, logged)
+        extractor.run(batches[:3])  # warm-up: codec kernels, writer threads
         fresh_cache(root)
         res = extractor.run(batches)
         extractor.capture.remove()

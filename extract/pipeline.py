@@ -186,8 +186,9 @@ class RankExtractor:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._slots: PinnedSlots | None = None
 
-    def _ensure_slots(self, batches: list[PlannedBatch]) -> None:
-        """Pinned buffers for the largest batch, one per segment that may be in flight."""
+    def prepare(self, batches: list[PlannedBatch]) -> None:
+        """Pin host buffers for the largest of `batches`, one per segment that may be in flight
+        (run() does this itself; call it first to keep the pinning out of a timed run)."""
         need = max((b.num_tokens for b in batches), default=0)
         if self.cuda and need and (self._slots is None or self._slots.rows < need):
             t0 = time.perf_counter()
@@ -198,7 +199,7 @@ class RankExtractor:
     def run(self, batches: list[PlannedBatch]) -> RankResult:
         total = sum(b.num_tokens for b in batches)
         t0 = time.perf_counter()
-        self._ensure_slots(batches)
+        self.prepare(batches)
         bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
                    desc=f"extract rank {self.rank}", disable=not self.progress)
         reader = BatchReader(self.dataset, batches, unit_rows=self.unit_rows, max_len=self.max_len,
