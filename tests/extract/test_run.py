@@ -197,3 +197,20 @@ def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
     assert sample_ids(out) == list(range(48))
     assert not verify(CacheReader(out))
     assert np.all([r.unit % 2 == r.rank for r in records])
+
+
+def test_packing_drops_and_adds_no_token(small_parquet, tmp_path):
+    """Every committed sample holds exactly its dataset row: same ids, same mask, same length."""
+    extract(extract_config(small_parquet, tmp_path / "c"), "cpu", echo=lambda *_: None)
+    reader = CacheReader(tmp_path / "c")
+    table = pq.read_table(small_parquet)
+    ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    assert reader.num_tokens == sum(len(x) for x in ids)
+    assert reader.num_supervised == sum(sum(m) for m in masks)
+    for rec, arrays in reader.iter_segments():
+        offsets = arrays["offsets"]
+        assert len(arrays["features"]) == offsets[-1] == len(arrays["input_ids"])
+        for i, sid in enumerate(arrays["sample_ids"]):
+            lo, hi = offsets[i], offsets[i + 1]
+            assert arrays["input_ids"][lo:hi].tolist() == ids[sid]
+            assert arrays["loss_mask"][lo:hi].tolist() == masks[sid]
