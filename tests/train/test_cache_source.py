@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.errors import UserError
+from dflash_cache.reader import CacheReader
+from extract.run import extract
+from tests.conftest import extract_config
+from train.cache_source import CacheSource, Position, SourceConfig, check_manifest, plan_epoch
+
+
+def _index(n=500, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 400, size=n)
+    supervised = rng.integers(0, lengths + 1)
+    buckets = np.searchsorted([0, 100, 250], lengths, side="right") - 1
+    return lengths, supervised, buckets
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_epoch_plan_covers_kept_samples_once_and_splits_evenly(world):
+    lengths, supervised, buckets = _index()
+    kw = dict(seed=7, epoch=3, token_budget=1000, min_supervised=20)
+    shares = [plan_epoch(lengths, supervised, buckets, rank=r, world=world, **kw) for r in range(world)]
+    assert len({len(s) for s in shares}) == 1, "every rank gets the same number of batches"
+    everything = plan_epoch(lengths, supervised, buckets, rank=0, world=1, **kw)
+    rows = np.concatenate([b for s in shares for b in s])
+    assert len(rows) == len(set(rows.tolist())), "no sample twice"
+    all_rows = np.concatenate(everything)
+    assert sorted(all_rows.tolist()) == np.flatnonzero(supervised >= 20).tolist()
+    assert len(everything) - world * len(shares[0]) < world, "only the remainder is dropped"
+    for b in everything:
+        assert len(b) == 1 or lengths[b].sum() <= 1000
+        assert len(set(buckets[b].tolist())) == 1
+
+
+def test_epoch_plan_is_deterministic_per_seed_and_epoch():
+    lengths, supervised, buckets = _index()
+    kw = dict(token_budget=1000, min_supervised=0)
+    a = plan_epoch(lengths, supervised, buckets, seed=1, epoch=0, **kw)
+    b = plan_epoch(lengths, supervised, buckets, seed=1, epoch=0, **kw)
+    c = plan_epoch(lengths, supervised, buckets, seed=1, epoch=1, **kw)
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+    assert [x.tolist() for x in a] != [x.tolist() for x in c]
+
+
+@pytest.fixture(scope="module")
+def small_cache(small_parquet, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache") / "c"
+    extract(extract_config(small_parquet, root, codec="fp8"), "cpu", echo=lambda *_: None)
+    return root
+
+
+def test_batches_reproduce_the_cache(small_cache):
+    reader = CacheReader(small_cache)
+    source = CacheSource(reader, SourceConfig(token_budget=300, min_supervised=1, prefetch=2, read_threads=2),
+                         device=torch.device("cpu"))
+    seen = []
+    for _, batch in source.iterate(Position(0, 0), epochs=1):
+        cu = batch.cu_seqlens.tolist()
+        assert cu[0] == 0 and cu[-1] == batch.num_tokens == batch.features.shape[0]
+        assert batch.features.dtype == torch.bfloat16
+        for i, sid in enumerate(batch.sample_ids.tolist()):
+            s = reader.sample(sid)
+            lo, hi = cu[i], cu[i + 1]
+            assert batch.input_ids[lo:hi].tolist() == s.input_ids.tolist()
+            assert batch.loss_mask[lo:hi].tolist() == s.loss_mask.astype(bool).tolist()
+            assert torch.equal(batch.features[lo:hi], s.features)
+            assert batch.position_ids[lo:hi].tolist() == list(range(hi - lo))
+            seen.append(sid)
+    index = reader.index
+    kept = index.filter(index.column("supervised").to_numpy() >= 1).column("sample_id").to_pylist()
+    assert sorted(seen) == sorted(kept), "one epoch yields every kept sample exactly once (world 1)"
+
+
+def test_resume_from_a_position_continues_the_same_stream(small_cache):
+    reader = CacheReader(small_cache)
+    cfg = SourceConfig(token_budget=300, min_supervised=1, prefetch=3, read_threads=2)
+    source = CacheSource(reader, cfg, device=torch.device("cpu"))
+    n = source.batches_per_epoch()
+    full = [(p, b.sample_ids.tolist()) for p, b in itertools.islice(source.iterate(Position(0, 0)), n + 3)]
+    k = n // 2
+    resumed = [(p, b.sample_ids.tolist()) for p, b in itertools.islice(source.iterate(full[k - 1][0]), n + 3 - k)]
+    assert resumed == full[k:]
+    assert full[n - 1][0] == Position(0, n) and full[n][0] == Position(1, 1)
+
+
+def test_manifest_mismatch_names_the_field(small_cache):
+    m = CacheReader(small_cache).manifest
+    ok = dict(target_config_hash=m.target.config_hash, layer_ids=m.layer_ids, hidden_size=m.hidden_size,
+              vocab_size=m.target.vocab_size)
+    check_manifest(m, **ok)
+    for field, value in (("layer_ids", (1, 2)), ("hidden_size", 64), ("vocab_size", 10),
+                         ("target_config_hash", "other")):
+        with pytest.raises(UserError, match=field.replace("target_", "target.").replace("vocab_size", "target.vocab_size")):
+            check_manifest(m, **{**ok, field: value})

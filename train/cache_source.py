@@ -1,0 +1,182 @@
+"""The cache source: packed training batches streamed from an extraction cache.
+
+Planning is pure numpy over the cache index (no feature data): samples with too few supervised
+tokens are dropped, the rest are grouped by length bucket, shuffled within buckets with a
+generator seeded by (seed, epoch), packed greedily under a real-token budget (no padding), and the
+batch order is shuffled again. Batch i of the epoch goes to rank i % world, and every rank gets the
+same number of batches (the remainder is dropped and counted) so data-parallel steps stay in step.
+A position is two integers, (epoch, batches consumed), from which the plan is recomputed on resume.
+
+Reading runs in background threads `prefetch` batches ahead (zarr decompression releases the
+GIL); host arrays are pinned and copied to the device on a side stream, where fp8 is dequantised
+(Triton on CUDA). The consumer's stream waits on an event, never the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_cache.codecs import numpy_to_torch
+from dflash_cache.errors import UserError
+from dflash_cache.manifest import Manifest
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.reader import CacheReader
+from train.batch import PackedBatch, positions_from_cu_seqlens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    token_budget: int = 32768  # real (unpadded) tokens per packed batch
+    min_supervised: int = 32   # samples with fewer supervised tokens are dropped (DFlash: 2 x block size)
+    seed: int = 0
+    prefetch: int = 4
+    read_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.prefetch < 1 or self.read_threads < 1:
+            raise UserError("--token-budget, --prefetch and --read-threads must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a source stands: the epoch and how many of this rank's batches of it were consumed."""
+
+    epoch: int
+    batch: int
+
+
+def plan_epoch(lengths: np.ndarray, supervised: np.ndarray, buckets: np.ndarray, *, seed: int, epoch: int,
+               token_budget: int, min_supervised: int, rank: int = 0, world: int = 1) -> list[np.ndarray]:
+    """This rank's batches of one epoch, each an array of index rows. Deterministic in (seed, epoch)."""
+    rng = np.random.default_rng([seed, epoch])
+    keep = np.flatnonzero(supervised >= min_supervised)
+    batches: list[np.ndarray] = []
+    for bucket in np.unique(buckets[keep]):
+        rows = keep[buckets[keep] == bucket]
+        rows = rows[rng.permutation(len(rows))]
+        cum = np.cumsum(lengths[rows])
+        start = 0
+        while start < len(rows):
+            base = cum[start - 1] if start else 0
+            stop = int(np.searchsorted(cum, base + token_budget, side="right"))
+            stop = max(stop, start + 1)  # a sample longer than the budget travels alone
+            batches.append(rows[start:stop])
+            start = stop
+    order = rng.permutation(len(batches))
+    usable = len(batches) - len(batches) % world
+    return [batches[i] for i in order[:usable]][rank::world]
+
+
+class CacheSource:
+    """Yields (Position after this batch, PackedBatch on `device`) for one rank."""
+
+    def __init__(self, reader: CacheReader, config: SourceConfig, *, device: torch.device, rank: int = 0,
+                 world: int = 1, profiler: StageProfiler | None = None) -> None:
+        self.reader, self.config, self.device = reader, config, device
+        self.rank, self.world = rank, world
+        self.profiler = profiler or StageProfiler(None)
+        index = reader.index
+        self._segment = index.column("segment").to_numpy(zero_copy_only=False)
+        self._offset = index.column("row_offset").to_numpy()
+        self._length = index.column("length").to_numpy().astype(np.int64)
+        self._supervised = index.column("supervised").to_numpy()
+        self._bucket = index.column("bucket").to_numpy()
+        self._sample_id = index.column("sample_id").to_numpy()
+        self._feature_keys = list(reader.codec.arrays(reader.manifest.n_layers, reader.manifest.hidden_size))
+        self.cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        c = self.config
+        return plan_epoch(self._length, self._supervised, self._bucket, seed=c.seed, epoch=epoch,
+                          token_budget=c.token_budget, min_supervised=c.min_supervised,
+                          rank=self.rank, world=self.world)
+
+    def batches_per_epoch(self) -> int:
+        return len(self.epoch_batches(0))
+
+    def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
+        """From `start` on, epoch after epoch (forever if `epochs` is None)."""
+        epoch, first = start.epoch, start.batch
+        with ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="dflash-cache-read") as pool:
+            while epochs is None or epoch < epochs:
+                plan = self.epoch_batches(epoch)
+                pending: deque[tuple[int, Future]] = deque()
+                nxt = first
+                while nxt < len(plan) or pending:
+                    while nxt < len(plan) and len(pending) < self.config.prefetch:
+                        pending.append((nxt, pool.submit(self._read_host, plan[nxt])))
+                        nxt += 1
+                    i, fut = pending.popleft()
+                    host = fut.result()
+                    yield Position(epoch, i + 1), self._to_device(host)
+                epoch, first = epoch + 1, 0
+
+    def _read_host(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Read and concatenate one batch's samples (stored dtypes) on a reader thread."""
+        with self.profiler.span("cache.read"):
+            parts: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", *self._feature_keys)}
+            for r in rows:
+                name, lo = str(self._segment[r]), int(self._offset[r])
+                hi = lo + int(self._length[r])
+                for key in parts:
+                    parts[key].append(self.reader.read_array(name, key, lo, hi))
+            host = {k: np.concatenate(v) for k, v in parts.items()}
+        lengths = self._length[rows]
+        host["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        host["sample_ids"] = self._sample_id[rows].astype(np.int64)
+        return host
+
+    def _to_device(self, host: dict[str, np.ndarray]) -> PackedBatch:
+        tensors = {k: numpy_to_torch(k, v) for k, v in host.items()}
+        if self.cuda:
+            tensors = {k: t.pin_memory() for k, t in tensors.items()}
+            stream = self._copy_stream
+            with torch.cuda.stream(stream), self.profiler.device_span("loader.h2d", stream):
+                dev = {k: t.to(self.device, non_blocking=True) for k, t in tensors.items()}
+            with torch.cuda.stream(stream), self.profiler.device_span("cache.decode", stream):
+                features = self.reader.codec.decode({k: dev[k] for k in self._feature_keys}, self.reader.manifest.n_layers)
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
+            for t in (*dev.values(), features):
+                t.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            dev = tensors
+            with self.profiler.span("cache.decode"):
+                features = self.reader.codec.decode({k: dev[k] for k in self._feature_keys}, self.reader.manifest.n_layers)
+        cu = dev["cu_seqlens"]
+        total = int(host["cu_seqlens"][-1])
+        return PackedBatch(
+            input_ids=dev["input_ids"].long(),
+            loss_mask=dev["loss_mask"].bool(),
+            position_ids=positions_from_cu_seqlens(cu, total),
+            cu_seqlens=cu,
+            sample_ids=dev["sample_ids"],
+            features=features,
+        )
+
+
+def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],
+                   hidden_size: int, vocab_size: int) -> None:
+    """Refuse a cache made for another target or layer choice, naming the field that differs."""
+    expected = {
+        "layer_ids": (tuple(manifest.layer_ids), tuple(layer_ids)),
+        "hidden_size": (manifest.hidden_size, hidden_size),
+        "target.vocab_size": (manifest.target.vocab_size, vocab_size),
+    }
+    if target_config_hash is not None:
+        expected["target.config_hash"] = (manifest.target.config_hash, target_config_hash)
+    for name, (have, want) in expected.items():
+        if have != want:
+            raise UserError(f"cache manifest field {name} is {have!r} but the drafter/target needs {want!r}; "
+                            "extract a cache for this target and layers, or pass the matching --target")
