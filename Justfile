@@ -10,12 +10,14 @@ setup:
 test *args:
     python3 -m pytest tests {{args}}
 
-# Phase 1 on the built-in tiny target and demo data, then inspect and verify the cache.
-# Run it twice: the second run resumes and finds nothing left to do.
+# The two-phase job on the built-in tiny target and demo data: extract, inspect + verify, train.
+# Run it twice: the second run resumes both phases and finds nothing left to do.
 demo:
     dflash-cache extract --model tiny --data demo --out {{demo_out}}/cache --gpus all --codec fp8 \
         --token-budget 4096 --max-rows 16 --unit-rows 64 --buckets 0,128,192,256
     dflash-cache inspect {{demo_out}}/cache --verify --sample 0
+    dflash-cache train --cache {{demo_out}}/cache --target tiny --out {{demo_out}}/run --resume \
+        --block-size 8 --draft-layers 2 --num-anchors 16 --token-budget 2048 --lr 3e-3 --max-steps 200 --log-every 25
 
 lint:
     ruff check .

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -102,6 +103,48 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
         progress=not no_progress,
     )
     run_extract(cfg, gpus, echo=click.echo)
+
+
+@cli.command()
+@click.option("--cache", required=True, type=click.Path(), help="A cache made by `dflash-cache extract`.")
+@click.option("--target", required=True, help="The target the cache was made with (local directory or 'tiny').")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory: checkpoints, metrics, export.")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--draft-layers", default=5, show_default=True)
+@click.option("--num-anchors", default=512, show_default=True, help="Anchors sampled per sequence at most.")
+@click.option("--epochs", default=6, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Stop after this many optimiser steps.")
+@click.option("--lr", default=6e-4, show_default=True)
+@click.option("--token-budget", default=32768, show_default=True, help="Real tokens per packed batch.")
+@click.option("--sliding-window", type=int, default=None, help="Make every drafter layer sliding-window with this size.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--save-every", default=500, show_default=True, help="Checkpoint every N steps (and at exit).")
+@click.option("--log-every", default=10, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out.")
+@click.option("--device", default="auto", show_default=True, help="'auto', 'cpu' or 'cuda[:i]'.")
+@click.option("--profile-interval", type=float, default=None,
+              help="Seconds between stage-timing reports (or DFLASH_PROFILE_INTERVAL).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def train(cache, target, out, block_size, draft_layers, num_anchors, epochs, max_steps, lr, token_budget,
+          sliding_window, seed, save_every, log_every, resume, device, profile_interval, no_progress) -> None:
+    """Phase 2: train a DFlash drafter from a cache; exports to OUT/export."""
+    from train.trainer import TrainConfig
+    from train.trainer import train as run_train
+
+    cfg = TrainConfig(cache=cache, target=target, out=out, block_size=block_size, draft_layers=draft_layers,
+                      num_anchors=num_anchors, epochs=epochs, max_steps=max_steps, lr=lr, token_budget=token_budget,
+                      sliding_window=sliding_window, seed=seed, save_every=save_every, log_every=log_every,
+                      resume=resume, profile_interval=profile_interval, progress=not no_progress)
+    try:
+        last = run_train(cfg, device)
+    except KeyboardInterrupt:
+        click.echo("Interrupted: checkpoint saved; continue with --resume.", err=True)
+        sys.exit(130)
+    if last:
+        click.echo(f"done: step {last['step']}, loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}; "
+                   f"exported to {Path(out) / 'export'}")
+    else:
+        click.echo(f"nothing to train: {out} is already at its last step; exported to {Path(out) / 'export'}")
 
 
 @cli.command()

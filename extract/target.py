@@ -36,14 +36,24 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
 
 
 def tiny_config():
-    """A small Qwen3-architecture target for tests and the demo: 8 layers, hidden 128."""
+    """A small Qwen3-architecture target for tests and the demo: 8 layers, hidden 128, vocab 2048."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
         vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
-        tie_word_embeddings=True, initializer_range=0.1, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.02, rms_norm_eps=1e-6,
     )
+
+
+# The layers' residual writers (o_proj, down_proj) are scaled down after the seeded init so each
+# token's greedy successor depends mostly on the token itself (about 60% follow a fixed map) and
+# partly on the context: text as peaked as a small real LM's, which a drafter can learn on a CPU
+# in minutes. A fully random target of this size produces chaotic text no drafter can predict.
+# The LM head is scaled up so logits spread like a trained model's (a few units) rather than
+# the ~0.2 of a 0.02-std init; argmax, hence the greedy text, does not change.
+TINY_RESIDUAL_SCALE = 0.1
+TINY_LM_HEAD_SCALE = 20.0
 
 
 def build_tiny_target(num_layers: int | None = None) -> nn.Module:
@@ -54,6 +64,11 @@ def build_tiny_target(num_layers: int | None = None) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(TINY_RESIDUAL_SCALE)
+            layer.mlp.down_proj.weight.mul_(TINY_RESIDUAL_SCALE)
+        model.lm_head.weight.mul_(TINY_LM_HEAD_SCALE)
     if num_layers is not None:
         model.model.layers = model.model.layers[:num_layers]
     return model.eval()
@@ -158,9 +173,10 @@ def describe_target(spec: TargetSpec) -> TargetDescription:
     return TargetDescription(spec=spec, config=config, identity=identity, layer_ids=layer_ids)
 
 
-def load_target(desc: TargetDescription, device: torch.device) -> nn.Module:
-    """The target's weights cut after its last selected layer, in eval mode, on `device`."""
-    keep = desc.layer_ids[-1] + 1
+def load_target(desc: TargetDescription, device: torch.device, keep: int | None = None) -> nn.Module:
+    """The target's weights cut after its last selected layer (or after `keep` layers; 0 loads only
+    the embedding and LM head, which is what the drafter needs), in eval mode, on `device`."""
+    keep = desc.layer_ids[-1] + 1 if keep is None else keep
     dtype = parse_dtype(desc.spec.dtype)
     if desc.spec.model == TINY:
         model = build_tiny_target(keep)

@@ -207,7 +207,7 @@ def test_packing_drops_and_adds_no_token(small_parquet, tmp_path):
     ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
     assert reader.num_tokens == sum(len(x) for x in ids)
     assert reader.num_supervised == sum(sum(m) for m in masks)
-    for rec, arrays in reader.iter_segments():
+    for _, arrays in reader.iter_segments():
         offsets = arrays["offsets"]
         assert len(arrays["features"]) == offsets[-1] == len(arrays["input_ids"])
         for i, sid in enumerate(arrays["sample_ids"]):

@@ -1,0 +1,235 @@
+"""Attention masks for drafter training (train.masks): hand-built rules, dense vs flex agreement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+from train.anchors import Blocks, sample_anchors
+from train.batch import PackedBatch, positions_from_cu_seqlens
+from train.masks import build_masks, context_doc_pos, dense_mask, flex_block_mask
+
+MASK = 7777
+
+
+def make_batch(lengths: list[int], *, seed: int = 0, p_sup: float = 0.8) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    return PackedBatch(input_ids=torch.randint(0, 500, (T,), generator=g),
+                       loss_mask=torch.rand(T, generator=g) < p_sup,
+                       position_ids=positions_from_cu_seqlens(cu, T), cu_seqlens=cu,
+                       sample_ids=torch.arange(len(lengths)), features=torch.zeros(T, 2, dtype=torch.bfloat16))
+
+
+def hand_blocks(batch: PackedBatch, anchors: list[tuple[int, int]], B: int) -> Blocks:
+    """Blocks for explicit (doc, document-local position) anchors."""
+    doc = torch.tensor([d for d, _ in anchors], dtype=torch.int64)
+    pos = torch.tensor([p for _, p in anchors], dtype=torch.int64)
+    ti = batch.cu_seqlens[doc] + pos
+    offs = torch.arange(B)
+    ids = torch.full((len(anchors), B), MASK)
+    ids[:, 0] = batch.input_ids[ti]
+    labels = batch.input_ids[ti[:, None] + offs]
+    labels[:, 0] = -100
+    return Blocks(token_index=ti, doc=doc, anchor_pos=pos, input_ids=ids, position_ids=pos[:, None] + offs,
+                  labels=labels, weights=torch.ones(len(anchors), B), block_size=B)
+
+
+@pytest.fixture
+def two_docs():
+    batch = make_batch([7, 9])
+    B = 3
+    # block 0: doc 0 @ 4; block 1: doc 1 @ 2; block 2: doc 1 @ 6
+    blocks = hand_blocks(batch, [(0, 4), (1, 2), (1, 6)], B)
+    return batch, blocks
+
+
+def test_context_doc_pos(two_docs):
+    batch, _ = two_docs
+    doc, pos = context_doc_pos(batch)
+    assert doc.tolist() == [0] * 7 + [1] * 9
+    assert pos.tolist() == list(range(7)) + list(range(9))
+
+
+def test_full_attention_hand_built(two_docs):
+    batch, blocks = two_docs
+    T, B, A = 16, 3, 3
+    doc, pos = context_doc_pos(batch)
+    m = dense_mask(doc, pos, blocks, sliding_window=None)
+    assert m.shape == (A * B, T + A * B) and m.dtype == torch.bool
+    ctx, blk = m[:, :T], m[:, T:]
+    # expected context: block 0 -> doc 0 tokens 0..3; block 1 -> doc 1 tokens 0..1 (flat 7, 8);
+    # block 2 -> doc 1 tokens 0..5 (flat 7..12)
+    expect_ctx = torch.zeros(A, T, dtype=torch.bool)
+    expect_ctx[0, 0:4] = True
+    expect_ctx[1, 7:9] = True
+    expect_ctx[2, 7:13] = True
+    assert torch.equal(ctx, expect_ctx.repeat_interleave(B, dim=0))
+    # the anchor token itself (context index) is never visible
+    assert not ctx[0:3, 4].any() and not ctx[3:6, 9].any() and not ctx[6:9, 13].any()
+    # other document's context never visible
+    assert not ctx[0:3, 7:].any() and not ctx[3:9, :7].any()
+    # own block fully visible (bidirectional), other blocks never
+    assert torch.equal(blk, torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * A))
+
+
+def test_sliding_window_hand_built(two_docs):
+    batch, blocks = two_docs
+    T, B, A, W = 16, 3, 3, 3
+    doc, pos = context_doc_pos(batch)
+    m = dense_mask(doc, pos, blocks, sliding_window=W)
+    ctx, blk = m[:, :T], m[:, T:]
+    # window W=3: context positions p-3 .. p-1
+    expect_ctx = torch.zeros(A, T, dtype=torch.bool)
+    expect_ctx[0, 1:4] = True          # doc 0 @ 4: positions 1, 2, 3
+    expect_ctx[1, 7:9] = True          # doc 1 @ 2: positions 0, 1 (only 2 exist)
+    expect_ctx[2, 7 + 3:7 + 6] = True  # doc 1 @ 6: positions 3, 4, 5
+    assert torch.equal(ctx, expect_ctx.repeat_interleave(B, dim=0))
+    assert int(ctx.sum(1).max()) <= W
+    causal = torch.tril(torch.ones(B, B, dtype=torch.bool))
+    assert torch.equal(blk, torch.block_diag(*[causal] * A))
+    # window 0: no context at all; huge window == full-attention context
+    assert not dense_mask(doc, pos, blocks, sliding_window=0)[:, :T].any()
+    full = dense_mask(doc, pos, blocks, sliding_window=None)
+    assert torch.equal(dense_mask(doc, pos, blocks, sliding_window=100)[:, :T], full[:, :T])
+
+
+def flex_to_dense(bm: BlockMask, q_len: int, kv_len: int) -> torch.Tensor:
+    dense = create_mask(bm.mask_mod, None, None, q_len, kv_len, device="cpu")
+    return dense[0, 0]
+
+
+def check_flex_agrees(doc, pos, blocks, window):
+    q_len = blocks.num_anchors * blocks.block_size
+    kv_len = doc.shape[0] + q_len
+    ref = dense_mask(doc, pos, blocks, sliding_window=window)
+    bm = flex_block_mask(doc, pos, blocks, sliding_window=window)
+    assert isinstance(bm, BlockMask)
+    assert tuple(bm.shape) == (1, 1, q_len, kv_len)
+    assert torch.equal(flex_to_dense(bm, q_len, kv_len), ref)
+    # the block-sparsity structure covers every allowed entry
+    bq, bk = bm.BLOCK_SIZE
+    blocks_dense = bm.to_dense()[0, 0].bool()
+    nq, nk = -(-q_len // bq), -(-kv_len // bk)
+    padded = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
+    padded[:q_len, :kv_len] = ref
+    needed = padded.view(nq, bq, nk, bk).any(3).any(1)
+    assert not (needed & ~blocks_dense[:nq, :nk]).any()
+
+
+def test_flex_matches_dense_hand_built(two_docs):
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    for window in (None, 0, 2, 3, 50):
+        check_flex_agrees(doc, pos, blocks, window)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_matches_dense_random(seed, window):
+    g = torch.Generator().manual_seed(100 + seed)
+    n_docs = int(torch.randint(2, 6, (1,), generator=g))
+    lengths = torch.randint(3, 60, (n_docs,), generator=g).tolist()
+    batch = make_batch(lengths, seed=seed)
+    B = [3, 4, 5][seed]
+    blocks = sample_anchors(batch, block_size=B, num_anchors=6, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(seed))
+    assert blocks.num_anchors > 0
+    doc, pos = context_doc_pos(batch)
+    check_flex_agrees(doc, pos, blocks, window)
+
+
+def test_flex_spans_multiple_kernel_blocks():
+    # Q and KV longer than one 128 block so the BlockMask has several rows / columns.
+    batch = make_batch([150, 90, 120], seed=4, p_sup=0.9)
+    blocks = sample_anchors(batch, block_size=4, num_anchors=20, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(0))
+    assert blocks.num_anchors * 4 > 128
+    doc, pos = context_doc_pos(batch)
+    for window in (None, 16):
+        check_flex_agrees(doc, pos, blocks, window)
+
+
+def test_empty_blocks():
+    batch = make_batch([5, 6])
+    blocks = sample_anchors(batch, block_size=4, num_anchors=8, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(0))
+    assert blocks.num_anchors == 0
+    doc, pos = context_doc_pos(batch)
+    assert dense_mask(doc, pos, blocks, sliding_window=None).shape == (0, 11)
+    assert dense_mask(doc, pos, blocks, sliding_window=3).shape == (0, 11)
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_build_masks_shared_per_layer_type(two_docs, backend):
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention", "full_attention"]
+    masks = build_masks(doc, pos, blocks, layer_types=types, sliding_window=3, backend=backend)
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    q_len, kv_len = 9, 16 + 9
+    full = dense_mask(doc, pos, blocks, sliding_window=None)
+    sliding = dense_mask(doc, pos, blocks, sliding_window=3)
+    if backend == "dense":
+        assert masks["full_attention"].shape == (1, 1, q_len, kv_len)
+        assert torch.equal(masks["full_attention"][0, 0], full)
+        assert torch.equal(masks["sliding_attention"][0, 0], sliding)
+    else:
+        assert isinstance(masks["full_attention"], BlockMask)
+        assert torch.equal(flex_to_dense(masks["full_attention"], q_len, kv_len), full)
+        assert torch.equal(flex_to_dense(masks["sliding_attention"], q_len, kv_len), sliding)
+    # only full layers -> only one mask, no window needed
+    only_full = build_masks(doc, pos, blocks, layer_types=["full_attention"] * 4, sliding_window=None,
+                            backend=backend)
+    assert list(only_full) == ["full_attention"]
+
+
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_build_masks_builds_each_type_once(two_docs, backend, monkeypatch):
+    import train.masks as masks_mod
+
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    name = "dense_mask" if backend == "dense" else "flex_block_mask"
+    real = getattr(masks_mod, name)
+    calls = []
+    monkeypatch.setattr(masks_mod, name, lambda *a, **kw: calls.append(kw["sliding_window"]) or real(*a, **kw))
+    types = ["sliding_attention", "full_attention"] * 6
+    masks = build_masks(doc, pos, blocks, layer_types=types, sliding_window=4, backend=backend)
+    assert sorted(calls, key=str) == [4, None]
+    per_layer = [masks[t] for t in types]
+    assert len({id(m) for m in per_layer}) == 2
+
+
+def test_build_masks_errors(two_docs):
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    with pytest.raises(ValueError):
+        build_masks(doc, pos, blocks, layer_types=["sliding_attention"], sliding_window=None, backend="dense")
+    with pytest.raises(ValueError):
+        build_masks(doc, pos, blocks, layer_types=["full_attention"], sliding_window=None, backend="sdpa")
+    with pytest.raises(ValueError):
+        build_masks(doc, pos, blocks, layer_types=["linear_attention"], sliding_window=None, backend="dense")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_runs_with_mask(two_docs):
+    """The BlockMask drives flex_attention (eager, CPU) to the same output as SDPA with the dense mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    q_len, kv_len = 9, 25
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, q_len, 8, generator=g)
+    k = torch.randn(1, 2, kv_len, 8, generator=g)
+    v = torch.randn(1, 2, kv_len, 8, generator=g)
+    types = ["full_attention", "sliding_attention"]
+    dense = build_masks(doc, pos, blocks, layer_types=types, sliding_window=2, backend="dense")
+    flex = build_masks(doc, pos, blocks, layer_types=types, sliding_window=2, backend="flex")
+    for t in types:
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[t])
+        out = flex_attention(q, k, v, block_mask=flex[t])
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

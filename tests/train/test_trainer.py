@@ -1,0 +1,109 @@
+"""Phase 2 end to end on the CPU: learning, bit-exact resume, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from dflash_cache.cli import cli
+from extract.config import ExtractConfig
+from extract.planning import PlanConfig
+from extract.run import extract
+from extract.target import TargetSpec
+from train.trainer import TrainConfig, Trainer, lr_factor
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo") / "cache"
+    cfg = ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(root), codec="bf16",
+                        plan=PlanConfig(token_budget=4096, max_rows=16, unit_rows=64, bucket_bounds=(0, 128, 256)),
+                        writers=2, progress=False)
+    extract(cfg, "cpu", echo=lambda *_: None)
+    return root
+
+
+def _cfg(cache: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(cache=str(cache), target="tiny", out=str(out), block_size=8, draft_layers=2, num_anchors=16,
+                token_budget=2048, lr=3e-3, log_every=1, save_every=10_000, progress=False, prefetch=2,
+                read_threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 100, 0.04) == pytest.approx(0.25)
+    assert lr_factor(3, 100, 0.04) == pytest.approx(1.0)
+    assert lr_factor(52, 100, 0.04) == pytest.approx(0.5, abs=0.02)
+    assert lr_factor(100, 100, 0.04) == pytest.approx(0.0)
+
+
+def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
+    out = tmp_path / "run"
+    Trainer(_cfg(demo_cache, out, max_steps=100, log_every=25), device=__import__("torch").device("cpu")).fit()
+    rows = _rows(out)
+    first, last = rows[0], rows[-1]
+    assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
+    # chance is 1/2048 for the tiny vocabulary; 0.05 is a hundred times that
+    assert last["slot_acc"][0] > 0.05 and last["slot_acc"][0] > 5 * first["slot_acc"][0], (first, last)
+    assert last["tau_hat"] > 1.05
+    export = out / "export"
+    assert len(load_file(export / "model.safetensors")) == 3 + 11 * 2
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
+def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path, monkeypatch):
+    import torch
+
+    cpu = torch.device("cpu")
+    Trainer(_cfg(demo_cache, tmp_path / "a", max_steps=12), device=cpu).fit()
+    straight = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "a")]
+
+    calls = {"n": 0}
+    real_step = Trainer.train_step
+
+    def interrupted(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real_step(self, batch)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_cfg(demo_cache, tmp_path / "b", max_steps=12), device=cpu).fit()
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    Trainer(_cfg(demo_cache, tmp_path / "b", max_steps=12, resume=True), device=cpu).fit()
+    resumed = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "b")]
+    assert [s for s, *_ in resumed] == list(range(1, 13))
+    assert resumed == straight
+
+
+def test_existing_run_needs_resume(demo_cache, tmp_path):
+    import torch
+
+    Trainer(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
+                                 "--max-steps", "2", "--device", "cpu", "--no-progress"])
+    assert r.exit_code == 2 and "--resume" in r.output
+
+
+def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    from extract.target import tiny_config
+
+    config = tiny_config()
+    config.vocab_size = 4096
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "other")
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", str(tmp_path / "other"),
+                                 "--out", str(tmp_path / "run"), "--max-steps", "2", "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert "target.vocab_size" in r.output and "Traceback" not in r.output

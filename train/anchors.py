@@ -1,0 +1,116 @@
+"""Anchor sampling and block construction for DFlash (block-diffusion) drafter training.
+
+Every anchor is a token of a packed batch at document-local position ``p``. The drafter is shown a
+block of ``B`` tokens ``[input_ids[p], mask, ..., mask]`` at positions ``p .. p + B - 1`` and slot
+``k`` (1 <= k < B) is trained to predict ``input_ids[p + k]`` (same-position labels). Slot 0 is the
+given anchor token and carries no loss.
+
+Candidate anchors, per document of length ``L``:
+
+* ``loss_mask[p]`` and ``loss_mask[p + 1]`` are both set,
+* ``p + B <= L`` (the whole block lies inside the document, so it never crosses a boundary),
+* the document has at least ``2 * B`` supervised tokens (otherwise it gets no anchors).
+
+Up to ``num_anchors`` candidates are drawn per document uniformly without replacement (one
+``torch.randperm`` over all candidates of the batch as random keys; the first ``num_anchors`` of
+each document in key order are kept), and the kept anchors are returned sorted by flat token
+index, i.e. by (document, position). Random numbers are drawn on the generator's device and moved
+to the batch's device, so a CPU generator gives identical anchors on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from train.batch import PackedBatch
+
+IGNORE_INDEX = -100
+DEFAULT_NUM_ANCHORS = 512
+
+_DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay of the per-slot loss weight: 7 for B=16, 5 for B=10, 4 for B=8, else B * 7 / 16."""
+    return _DEFAULT_GAMMA.get(int(block_size), block_size * 7.0 / 16.0)
+
+
+@dataclass
+class Blocks:
+    token_index: torch.Tensor   # int64 [A], flat index into the packed batch of each anchor token
+    doc: torch.Tensor           # int64 [A], document of each anchor
+    anchor_pos: torch.Tensor    # int64 [A], document-local position of each anchor
+    input_ids: torch.Tensor     # int64 [A, B]: anchor token, then mask_token_id x (B - 1)
+    position_ids: torch.Tensor  # int64 [A, B]: anchor_pos + 0..B-1 (document-local, for RoPE)
+    labels: torch.Tensor        # int64 [A, B]: labels[a, k] = batch.input_ids[token_index[a] + k]; slot 0 = -100
+    weights: torch.Tensor       # float32 [A, B]: loss_mask[p + k] * exp(-(k - 1) / gamma); slot 0 = 0
+    block_size: int
+
+    @property
+    def num_anchors(self) -> int:
+        return int(self.token_index.shape[0])
+
+
+def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DEFAULT_NUM_ANCHORS,
+                   mask_token_id: int, generator: torch.Generator, gamma: float | None = None) -> Blocks:
+    """Sample up to ``num_anchors`` anchors per document and build their blocks (see module doc)."""
+    B = int(block_size)
+    if B < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if num_anchors < 0:
+        raise ValueError(f"num_anchors must be >= 0, got {num_anchors}")
+    if gamma is None:
+        gamma = default_gamma(B)
+
+    device = batch.input_ids.device
+    T = batch.num_tokens
+    n_docs = int(batch.cu_seqlens.shape[0]) - 1
+    cu = batch.cu_seqlens.to(device=device, dtype=torch.int64)
+    lm = batch.loss_mask.to(device=device, dtype=torch.bool)
+    pos = batch.position_ids.to(device=device, dtype=torch.int64)
+    doc = batch.doc_ids().to(device)
+
+    doc_len = cu[1:] - cu[:-1]                                                     # [N]
+    n_sup = torch.zeros(n_docs, dtype=torch.int64, device=device).index_add_(0, doc, lm.long())
+    lm_next = torch.cat([lm[1:], lm.new_zeros(1)]) if T > 0 else lm
+    # p + B <= L implies p + 1 < L, so lm_next never reads across a document boundary here.
+    cand = lm & lm_next & (pos + B <= doc_len[doc]) & (n_sup[doc] >= 2 * B)
+    cand_idx = torch.nonzero(cand, as_tuple=False).flatten()                       # [C], ascending
+    C = int(cand_idx.shape[0])
+
+    # Uniform sampling without replacement per document: random distinct keys, then stable sort
+    # by key and stable sort by doc; the first num_anchors of each document's run are kept.
+    keys = torch.randperm(C, generator=generator, device=generator.device).to(device)
+    by_key = torch.argsort(keys, stable=True)
+    cand_doc = doc[cand_idx][by_key]
+    by_doc = torch.argsort(cand_doc, stable=True)
+    order = by_key[by_doc]                                                         # cand ranks, doc-major
+    doc_sorted = cand_doc[by_doc]
+    counts = torch.bincount(doc_sorted, minlength=n_docs)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(C, device=device) - starts[doc_sorted]
+    kept = order[rank < num_anchors]
+    token_index = cand_idx[torch.sort(kept).values]                                # sorted by (doc, pos)
+
+    A = int(token_index.shape[0])
+    offs = torch.arange(B, device=device)
+    idx = token_index[:, None] + offs[None, :]                                     # [A, B], inside the doc
+    anchor_pos = pos[token_index]
+    anchor_doc = doc[token_index]
+
+    input_ids = torch.full((A, B), int(mask_token_id), dtype=torch.int64, device=device)
+    input_ids[:, 0] = batch.input_ids[token_index].to(torch.int64)
+    position_ids = anchor_pos[:, None] + offs[None, :]
+    labels = batch.input_ids[idx].to(torch.int64)
+    labels[:, 0] = IGNORE_INDEX
+    decay = torch.exp(-(offs.to(torch.float32) - 1.0) / float(gamma))
+    decay[0] = 0.0
+    weights = lm[idx].to(torch.float32) * decay[None, :]
+
+    return Blocks(token_index=token_index, doc=anchor_doc, anchor_pos=anchor_pos, input_ids=input_ids,
+                  position_ids=position_ids, labels=labels, weights=weights, block_size=B)
+
+
+__all__ = ["DEFAULT_NUM_ANCHORS", "IGNORE_INDEX", "Blocks", "default_gamma", "sample_anchors"]

@@ -1,0 +1,125 @@
+"""The DFlash drafter's configuration, derived from the target's Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+QWEN3_VOCAB_SIZE = 151936
+QWEN3_MASK_TOKEN_ID = 151669  # an unused row of Qwen3's embedding (the public DFlash drafters use it)
+
+
+def target_rope_theta(target_config) -> float:
+    """RoPE theta of a Qwen3-like config: transformers 5 keeps it in `rope_parameters`, 4.x in `rope_theta`."""
+    params = getattr(target_config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"target rope_type {rope_type!r} is not supported (only 'default')")
+        return float(params["rope_theta"])
+    scaling = getattr(target_config, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise ValueError(f"target rope_scaling {scaling!r} is not supported (only default RoPE)")
+    theta = getattr(target_config, "rope_theta", None)
+    if theta is None:
+        raise ValueError("target config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(theta)
+
+
+def default_mask_token_id(vocab_size: int) -> int:
+    return QWEN3_MASK_TOKEN_ID if vocab_size == QWEN3_VOCAB_SIZE else vocab_size - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]  # len == num_layers
+    sliding_window: int | None = None
+    target_num_hidden_layers: int = 0  # the target's total decoder layers (0: unknown)
+
+    def __post_init__(self) -> None:
+        # Accept lists (e.g. from JSON) but store tuples so the config stays hashable.
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unknown layer types {bad}; allowed: {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} has negative ids")
+        if self.target_num_hidden_layers and max(self.target_layer_ids) >= self.target_num_hidden_layers:
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} exceed the target's "
+                             f"{self.target_num_hidden_layers} layers")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+
+    @property
+    def num_target_layers(self) -> int:
+        """How many target layers are fused (the `fc` input is num_target_layers * hidden_size)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_target(cls, target_config, target_layer_ids, *, num_layers: int = 5, block_size: int = 16,
+                    mask_token_id: int | None = None, sliding_window: int | None = None,
+                    layer_types=None) -> DrafterConfig:
+        """A drafter for a Qwen3-like target: same width, heads, eps, RoPE and vocabulary.
+
+        `layer_types` defaults to all "full_attention"; `mask_token_id` to an unused embedding row.
+        """
+        c = target_config
+        hidden = int(c.hidden_size)
+        heads = int(c.num_attention_heads)
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        vocab = int(c.vocab_size)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(c.intermediate_size),
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(c.rms_norm_eps),
+            rope_theta=target_rope_theta(c),
+            max_position_embeddings=int(c.max_position_embeddings),
+            vocab_size=vocab,
+            block_size=block_size,
+            mask_token_id=default_mask_token_id(vocab) if mask_token_id is None else int(mask_token_id),
+            target_layer_ids=tuple(int(i) for i in target_layer_ids),
+            layer_types=tuple(layer_types) if layer_types is not None else ("full_attention",) * num_layers,
+            sliding_window=sliding_window,
+            target_num_hidden_layers=int(getattr(c, "num_hidden_layers", 0) or 0),
+        )

@@ -1,0 +1,231 @@
+"""The DFlash drafter: a few Qwen3-style layers whose keys and values also cover the fused target context.
+
+Unbatched and varlen: the context is the packed [T, N*H] target features of a batch, the block
+tokens are all A anchor blocks of B tokens flattened to [Q, H]; which query may see which key is
+entirely the caller's mask (dense bool [1, 1, Q, T+Q] or a FlexAttention BlockMask over the same
+[Q, T+Q] grid), one per layer type. The target's embedding and LM head are not part of the drafter:
+`FrozenTargetHead` holds them as buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from train.config import DrafterConfig
+
+INIT_STD = 0.02
+_compiled_flex = None
+
+
+def default_flex_attention(q, k, v, **kwargs):
+    """flex_attention compiled (once per process) for accelerator tensors, eager on CPU: eager
+    FlexAttention materialises the full score matrix, and on CPU it has no backward at all."""
+    global _compiled_flex
+    if q.device.type == "cpu":
+        return flex_attention(q, k, v, **kwargs)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(q, k, v, **kwargs)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE; cos/sin [L, head_dim] for arbitrary (document-local) positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / (self.theta ** exponent)
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # the module was cast (e.g. .bfloat16()): keep RoPE exact
+            inv_freq = self._inv_freq(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, heads, L, d], cos/sin [L, d]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask, flex_fn) -> torch.Tensor:
+        """h [Q, H] (normed block states), context [T, H]; rope covers the T + Q key positions."""
+        q_len, d = h.shape[0], self.head_dim
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(h).view(q_len, self.num_heads, d)).transpose(0, 1)[None]
+        kv_in = torch.cat((context, h), dim=0)
+        kv_len = kv_in.shape[0]
+        k = self.k_norm(self.k_proj(kv_in).view(kv_len, self.num_kv_heads, d)).transpose(0, 1)[None]
+        v = self.v_proj(kv_in).view(kv_len, self.num_kv_heads, d).transpose(0, 1)[None]
+        q = apply_rope(q, cos[-q_len:], sin[-q_len:])
+        k = apply_rope(k, cos, sin)
+        if isinstance(mask, BlockMask):
+            out = flex_fn(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        else:
+            if mask.dtype != torch.bool or mask.shape[-2:] != (q_len, kv_len):
+                raise ValueError(f"dense mask must be bool [1, 1, {q_len}, {kv_len}], got "
+                                 f"{mask.dtype} {tuple(mask.shape)}")
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, rope, mask, flex_fn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope, mask, flex_fn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm fuse the target features into the context; `layers` denoise the blocks.
+
+    `flex_attention_fn` is what BlockMask layers call: `default_flex_attention` (compiled on GPU,
+    eager on CPU, where FlexAttention is forward-only); assign another callable to override it.
+    """
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_target_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.flex_attention_fn = default_flex_attention
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
+                block_positions: torch.Tensor, masks: dict) -> torch.Tensor:
+        """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
+        masks {layer type: dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the final norm."""
+        dtype = self.dtype
+        context = self.hidden_norm(self.fc(features.to(dtype)))
+        x = block_embeds.to(dtype)
+        rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
+        for layer in self.layers:
+            try:
+                mask = masks[layer.layer_type]
+            except KeyError:
+                raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
+            x = layer(x, context, rope, mask, self.flex_attention_fn)
+        return self.norm(x)
+
+
+def init_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
+    """A drafter with deterministic weights: N(0, 0.02) linears, ones norms; global RNG untouched."""
+    model = DFlashDrafter(cfg)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, INIT_STD, generator=gen)
+    return model
+
+
+class FrozenTargetHead(nn.Module):
+    """The target's embedding and LM head weights [V, H] as non-persistent buffers: never trained,
+    never saved with the drafter. A tied target shares one tensor for both."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        super().__init__()
+        if embed_weight.shape != lm_head_weight.shape:
+            raise ValueError(f"embedding {tuple(embed_weight.shape)} and LM head {tuple(lm_head_weight.shape)} "
+                             "shapes differ")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_weight", lm_head_weight.detach(), persistent=False)
+
+    @classmethod
+    def from_target(cls, model: nn.Module) -> FrozenTargetHead:
+        embed = model.get_input_embeddings().weight
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if out is None:
+            if not getattr(model.config, "tie_word_embeddings", False):
+                raise ValueError(f"{type(model).__name__} has no LM head and does not tie its embeddings")
+            lm = embed
+        else:
+            lm = out.weight
+            if getattr(out, "bias", None) is not None:
+                raise ValueError("an LM head with a bias is not supported")
+        return cls(embed, lm)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits; for small inputs only (training uses train.loss.chunked_weighted_ce)."""
+        return hidden.to(self.lm_weight.dtype) @ self.lm_weight.T

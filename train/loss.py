@@ -1,0 +1,100 @@
+"""Weighted cross-entropy through the frozen LM head without ever holding [M, V] logits, and the
+per-slot acceptance statistics derived from it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_EPS = 1e-6
+
+
+class _ChunkedWeightedCE(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, the gradient wrt `hidden`; backward only scales it.
+
+    Peak extra memory: one [chunk_size, V] float32 logits buffer (reused for the softmax), grad_hidden
+    [M, H], and a float32 copy of the LM head when it is not float32 already.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, weights, chunk_size, eps, need_grad):
+        m = hidden.shape[0]
+        w_all = weights.detach().float()
+        total_w = w_all.sum().clamp_min(eps)
+        head = lm_head_weight.detach().float()  # cast once per call; a no-op for a float32 head
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, m, chunk_size):
+            end = min(start + chunk_size, m)
+            h = hidden[start:end].detach()
+            logits = h.float() @ head.T
+            lab = labels[start:end]
+            w = w_all[start:end]
+            valid_lab = lab.clamp_min(0)  # rows with weight 0 may carry -100
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, valid_lab[:, None]).squeeze(1)
+            ce = lse - picked
+            loss = loss + torch.where(w != 0, ce * w, torch.zeros_like(ce)).sum()
+            correct[start:end] = logits.argmax(dim=-1) == lab
+            if need_grad:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the logits buffer
+                rows = torch.arange(end - start, device=hidden.device)
+                probs[rows, valid_lab] -= 1.0
+                probs.mul_((w / total_w)[:, None])
+                grad_hidden[start:end] = (probs @ head).to(hidden.dtype)
+            del logits
+        loss = loss / total_w
+        if need_grad:
+            ctx.save_for_backward(grad_hidden)
+        ctx.need_grad = need_grad
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        grad_hidden = None
+        if ctx.need_grad and ctx.needs_input_grad[0]:
+            (saved,) = ctx.saved_tensors
+            grad_hidden = saved * grad_loss.to(saved.dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
+                        weights: torch.Tensor, chunk_size: int = 4096,
+                        eps: float = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, correct) for hidden [M, H] through the frozen lm_head_weight [V, H].
+
+    loss = sum_m weights[m] * CE(logits[m], labels[m]) / max(sum(weights), eps), a float32 scalar
+    differentiable wrt `hidden` only; correct = bool [M], argmax(logits[m]) == labels[m]. Rows with
+    weight 0 contribute nothing (their label may be -100). Logits exist one chunk at a time, in
+    float32; the gradient wrt `hidden` is computed in the forward pass and kept as [M, H].
+    """
+    if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head_weight {tuple(lm_head_weight.shape)} "
+                         "must be [M, H] and [V, H]")
+    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError(f"labels {tuple(labels.shape)} and weights {tuple(weights.shape)} must be "
+                         f"[{hidden.shape[0]}]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if lm_head_weight.requires_grad:
+        raise ValueError("lm_head_weight must be frozen (requires_grad=False); this loss gives it no gradient")
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _ChunkedWeightedCE.apply(hidden, lm_head_weight, labels.long(), weights, chunk_size, eps, need_grad)
+
+
+def slot_accuracy(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """correct, valid: bool [A, B] -> float32 [B], each slot's accuracy over its valid rows (0 if none)."""
+    valid = valid.bool()
+    hits = (correct.bool() & valid).sum(0).float()
+    counts = valid.sum(0).float()
+    return torch.where(counts > 0, hits / counts.clamp_min(1), torch.zeros_like(hits))
+
+
+def tau_hat(acc: torch.Tensor | Sequence[float]) -> float:
+    """Expected accepted length per block from per-slot accuracies of slots 1..B-1:
+    1 + sum_k prod_{j<=k} acc_j (the bonus token plus the expected accepted prefix)."""
+    acc = torch.as_tensor(acc, dtype=torch.float64).detach().cpu().flatten()
+    return float(1.0 + torch.cumprod(acc, dim=0).sum())
