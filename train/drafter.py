@@ -9,6 +9,8 @@ entirely the caller's mask (dense bool [1, 1, Q, T+Q] or a FlexAttention BlockMa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,18 +19,19 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from train.config import DrafterConfig
 
 INIT_STD = 0.02
-_compiled_flex = None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
 
 
 def default_flex_attention(q, k, v, **kwargs):
     """flex_attention compiled (once per process) for accelerator tensors, eager on CPU: eager
     FlexAttention materialises the full score matrix, and on CPU it has no backward at all."""
-    global _compiled_flex
     if q.device.type == "cpu":
         return flex_attention(q, k, v, **kwargs)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, **kwargs)
+    return _compiled_flex_attention()(q, k, v, **kwargs)
 
 
 class RMSNorm(nn.Module):

@@ -13,8 +13,9 @@ DEFAULT_EPS = 1e-6
 class _ChunkedWeightedCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, the gradient wrt `hidden`; backward only scales it.
 
-    Peak extra memory: one [chunk_size, V] float32 logits buffer (reused for the softmax), grad_hidden
-    [M, H], and a float32 copy of the LM head when it is not float32 already.
+    Peak extra memory: one [chunk_size, V] float32 logits buffer (reused for the softmax) and
+    grad_hidden [M, H]. The two matrix products run in the head's dtype (bf16 on the GPU: tensor
+    cores, float32 accumulation) and the softmax in float32; a float32 head keeps everything float32.
     """
 
     @staticmethod
@@ -22,14 +23,14 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         m = hidden.shape[0]
         w_all = weights.detach().float()
         total_w = w_all.sum().clamp_min(eps)
-        head = lm_head_weight.detach().float()  # cast once per call; a no-op for a float32 head
+        head = lm_head_weight.detach()
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
             h = hidden[start:end].detach()
-            logits = h.float() @ head.T
+            logits = (h.to(head.dtype) @ head.T).float()
             lab = labels[start:end]
             w = w_all[start:end]
             valid_lab = lab.clamp_min(0)  # rows with weight 0 may carry -100
@@ -43,7 +44,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
                 rows = torch.arange(end - start, device=hidden.device)
                 probs[rows, valid_lab] -= 1.0
                 probs.mul_((w / total_w)[:, None])
-                grad_hidden[start:end] = (probs @ head).to(hidden.dtype)
+                grad_hidden[start:end] = (probs.to(head.dtype) @ head).to(hidden.dtype)
             del logits
         loss = loss / total_w
         if need_grad:

@@ -82,7 +82,8 @@ def test_bf16_hidden_gets_bf16_grad():
     loss.backward()
     assert h.grad.dtype == torch.bfloat16
     ref_loss, ref_grad, _ = reference(hidden.bfloat16().float(), head.bfloat16().float(), labels, weights)
-    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-4, atol=1e-5)
+    # a bf16 head means bf16 matrix products (logits rounded to bf16 before the float32 softmax)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-3, atol=1e-4)
     torch.testing.assert_close(h.grad.double(), ref_grad, rtol=2e-2, atol=1e-3)
 
 
