@@ -105,6 +105,8 @@ class Trainer:
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = FrozenTargetHead.from_target(load_target(target, device, keep=0)).to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
+        # DDP wraps the forward/backward; checkpoints and export use the bare module.
+        self.net = torch.nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
         decay, no_decay = [], []
         for p in self.model.parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
@@ -134,20 +136,29 @@ class Trainer:
 
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:
-        rng = {"torch_cpu": torch.get_rng_state(), "anchors": self.generator.get_state()}
+        """Every rank's RNG states, keyed by rank (a collective call when world > 1)."""
+        own = {"torch_cpu": torch.get_rng_state(), "anchors": self.generator.get_state()}
         if self.device.type == "cuda":
-            rng["torch_cuda"] = torch.cuda.get_rng_state(self.device)
-        return rng
+            own["torch_cuda"] = torch.cuda.get_rng_state(self.device)
+        per_rank = [own]
+        if self.world > 1:
+            per_rank = [None] * self.world
+            torch.distributed.all_gather_object(per_rank, own)
+        return {f"{k}.rank{r}": v for r, states in enumerate(per_rank) for k, v in states.items()}
 
     def save(self) -> Path | None:
-        if self.rank != 0:
-            return None
-        state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
-                             tokens_seen=self.tokens_seen, scheduler=self.scheduler.state_dict(),
-                             optimizer_hparams=optimizer_hparams(self.optimizer))
-        path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
-                               state=state, rng=self._rng_state())
-        log.info("checkpoint %s", path)
+        """Checkpoint (all ranks call it; rank 0 writes)."""
+        rng = self._rng_state()
+        path = None
+        if self.rank == 0:
+            state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
+                                 tokens_seen=self.tokens_seen, scheduler=self.scheduler.state_dict(),
+                                 optimizer_hparams=optimizer_hparams(self.optimizer))
+            path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
+                                   state=state, rng=rng)
+            log.info("checkpoint %s", path)
+        if self.world > 1:
+            torch.distributed.barrier()
         return path
 
     def restore(self) -> bool:
@@ -155,11 +166,15 @@ class Trainer:
         if path is None:
             return False
         state, rng = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        saved_world = sum(k.startswith("anchors.rank") for k in rng)
+        if saved_world != self.world:
+            raise UserError(f"checkpoint {path} was written by {saved_world} process(es); resume it with the "
+                            f"same number (this run has {self.world})")
         self.scheduler.load_state_dict(state.scheduler)
-        torch.set_rng_state(rng["torch_cpu"])
-        self.generator.set_state(rng["anchors"])
-        if "torch_cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["torch_cuda"], self.device)
+        torch.set_rng_state(rng[f"torch_cpu.rank{self.rank}"])
+        self.generator.set_state(rng[f"anchors.rank{self.rank}"])
+        if f"torch_cuda.rank{self.rank}" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng[f"torch_cuda.rank{self.rank}"], self.device)
         self.step, self.position, self.tokens_seen = state.step, Position(state.epoch, state.batch), state.tokens_seen
         log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.step, state.epoch, state.batch)
         return True
@@ -178,7 +193,7 @@ class Trainer:
         with self.profiler.span("drafter.forward"), autocast:
             features = batch.features if self.device.type == "cuda" else batch.features.float()
             embeds = self.head.embed(blocks.input_ids.reshape(-1))
-            hidden = self.model(features, batch.position_ids, embeds, blocks.position_ids.reshape(-1), masks)
+            hidden = self.net(features, batch.position_ids, embeds, blocks.position_ids.reshape(-1), masks)
         with self.profiler.span("dflash.chunked_loss"):
             loss, correct = chunked_weighted_ce(hidden, self.head.lm_head_weight, blocks.labels.reshape(-1),
                                                 blocks.weights.reshape(-1), chunk_size=cfg.loss_chunk)
@@ -237,8 +252,15 @@ class Trainer:
         return last
 
     def _log(self, window: list[dict[str, torch.Tensor]], seconds: float, tokens: int, path: Path) -> dict[str, float]:
-        loss = torch.stack([w["loss"] for w in window]).mean().item()
-        acc = torch.stack([w["acc"] for w in window]).mean(0)[1:].cpu()
+        """Average the window's metrics (over ranks too: one collective per log step) and record them."""
+        stats = torch.cat([torch.stack([w["loss"] for w in window]).mean()[None],
+                           torch.stack([w["acc"] for w in window]).mean(0)])
+        if self.world > 1:
+            torch.distributed.all_reduce(stats)
+            stats /= self.world
+            tokens *= self.world
+        stats = stats.cpu()
+        loss, acc = float(stats[0]), stats[2:]
         row = {"step": self.step, "epoch": self.position.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
                "tokens_per_s": tokens / max(seconds, 1e-9), "tokens_seen": self.tokens_seen}
@@ -251,11 +273,22 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and device != "cpu"
     if world > 1:
-        raise UserError("multi-rank training (torchrun) is not supported yet; run one process")
-    return Trainer(cfg, device=dev, rank=rank, world=world).fit()
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(dev)
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    else:
+        dev = torch.device("cuda" if cuda else "cpu") if device == "auto" else torch.device(device)
+    try:
+        return Trainer(cfg, device=dev, rank=rank, world=world).fit()
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
 
 
 __all__ = ["TrainConfig", "Trainer", "lr_factor", "train"]

@@ -107,3 +107,31 @@ def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
                                  "--out", str(tmp_path / "run"), "--max-steps", "2", "--device", "cpu"])
     assert r.exit_code == 2, r.output
     assert "target.vocab_size" in r.output and "Traceback" not in r.output
+
+
+def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file as load
+
+    out = tmp_path / "ddp"
+    port = 29700 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "dflash_cache.cli", "train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
+           "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024",
+           "--max-steps", "4", "--log-every", "2", "--device", "cpu", "--no-progress"]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _rows(out)] == [2, 4]
+    rng = load(out / "checkpoints" / "step_0000004" / "rng.safetensors")
+    assert {"anchors.rank0", "anchors.rank1"} <= set(rng)
+    assert not torch_equal(rng["anchors.rank0"], rng["anchors.rank1"]), "ranks draw their own anchors"
+    assert (out / "export" / "model.safetensors").is_file()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
