@@ -27,6 +27,7 @@ from dflash_cache.manifest import Manifest, read_manifest
 from dflash_cache.segments import SegmentRecord, check_files, read_records, segment_dir
 
 INDEX_FILE = "index.parquet"
+OPEN_ARRAYS = 1024  # opened zarr arrays kept per reader (random sample access hits many segments)
 INDEX_SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -97,6 +98,7 @@ class CacheReader:
         self._by_name = {r.name: r for r in self.records}
         self._check_segment_files = check_segment_files
         self._checked: set[str] = set()
+        self._open: dict[tuple[str, str], zarr.Array] = {}
 
     # --- summary -------------------------------------------------------------------------
     @property
@@ -156,9 +158,15 @@ class CacheReader:
             if problems:
                 raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
             self._checked.add(name)
+        cached = self._open.get((name, key))
+        if cached is not None:
+            return cached
         store = LocalStore(segment_dir(self.root, name), read_only=True)
         arr = zarr.open_array(store, path=key, mode="r")
         self._check_shape(rec, key, arr)
+        if len(self._open) >= OPEN_ARRAYS:  # opening parses JSON: keep recent arrays open
+            self._open.pop(next(iter(self._open)))
+        self._open[(name, key)] = arr
         return arr
 
     def _check_shape(self, rec: SegmentRecord, key: str, arr: zarr.Array) -> None:

@@ -89,21 +89,32 @@ def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> None:
-        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
-        self.out = Path(cfg.out)
-        self.reader = CacheReader(cfg.cache)
-        m = self.reader.manifest
+    """Owns the drafter, optimiser, schedule and source of one rank. `Trainer.build` makes one from a
+    config (loading the target's embedding and LM head and checking the cache against it); the
+    constructor takes those pieces ready-made, which is what benchmarks with synthetic targets use."""
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> Trainer:
+        reader = CacheReader(cfg.cache)
+        m = reader.manifest
         target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
                                             trust_remote_code=cfg.trust_remote_code))
         check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
                        hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size)
-        self.drafter_cfg = DrafterConfig.from_target(
+        drafter_cfg = DrafterConfig.from_target(
             target.config, tuple(m.layer_ids), num_layers=cfg.draft_layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, sliding_window=cfg.sliding_window,
         )
+        head = FrozenTargetHead.from_target(load_target(target, device, keep=0))
+        return cls(cfg, reader=reader, drafter_cfg=drafter_cfg, head=head, device=device, rank=rank, world=world)
+
+    def __init__(self, cfg: TrainConfig, *, reader: CacheReader, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
+                 device: torch.device, rank: int = 0, world: int = 1) -> None:
+        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.out = Path(cfg.out)
+        self.reader, self.drafter_cfg = reader, drafter_cfg
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.head = FrozenTargetHead.from_target(load_target(target, device, keep=0)).to(device=device, dtype=head_dtype)
+        self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
         # DDP wraps the forward/backward; checkpoints and export use the bare module.
         self.net = torch.nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
@@ -285,7 +296,7 @@ def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
     else:
         dev = torch.device("cuda" if cuda else "cpu") if device == "auto" else torch.device(device)
     try:
-        return Trainer(cfg, device=dev, rank=rank, world=world).fit()
+        return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()

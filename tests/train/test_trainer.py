@@ -48,7 +48,7 @@ def test_lr_schedule():
 
 def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
     out = tmp_path / "run"
-    Trainer(_cfg(demo_cache, out, max_steps=100, log_every=25), device=__import__("torch").device("cpu")).fit()
+    Trainer.build(_cfg(demo_cache, out, max_steps=100, log_every=25), device=__import__("torch").device("cpu")).fit()
     rows = _rows(out)
     first, last = rows[0], rows[-1]
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
@@ -64,7 +64,7 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path
     import torch
 
     cpu = torch.device("cpu")
-    Trainer(_cfg(demo_cache, tmp_path / "a", max_steps=12), device=cpu).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path / "a", max_steps=12), device=cpu).fit()
     straight = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "a")]
 
     calls = {"n": 0}
@@ -78,9 +78,9 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path
 
     monkeypatch.setattr(Trainer, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(_cfg(demo_cache, tmp_path / "b", max_steps=12), device=cpu).fit()
+        Trainer.build(_cfg(demo_cache, tmp_path / "b", max_steps=12), device=cpu).fit()
     monkeypatch.setattr(Trainer, "train_step", real_step)
-    Trainer(_cfg(demo_cache, tmp_path / "b", max_steps=12, resume=True), device=cpu).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path / "b", max_steps=12, resume=True), device=cpu).fit()
     resumed = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "b")]
     assert [s for s, *_ in resumed] == list(range(1, 13))
     assert resumed == straight
@@ -89,7 +89,7 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path
 def test_existing_run_needs_resume(demo_cache, tmp_path):
     import torch
 
-    Trainer(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
                                  "--max-steps", "2", "--device", "cpu", "--no-progress"])
     assert r.exit_code == 2 and "--resume" in r.output

@@ -1,0 +1,181 @@
+"""Phase-2 benchmark: drafter training fed from caches on local disk against the same batches
+already resident on the GPU, side by side in one process.
+
+A Qwen3-8B-shaped drafter (5 layers, hidden 4096, intermediate 12288, 32/8 heads, vocab 151936,
+block 16, 512 anchors per sequence, all-full attention) with a random frozen embedding and LM
+head. Synthetic caches (`fp8`, `bf16`) of ~3072-token sequences with random bf16 features are
+written to --out first (not timed). Then, after warm-up steps (FlexAttention compile), it times N
+optimiser steps for each source:
+
+  * cache `fp8` and cache `bf16`: CacheSource reading, decompressing, H2D and dequantising in the
+    background, the page cache dropped first when the OS allows it (reported);
+  * resident: the same batches, decoded, held on the GPU (no I/O at all).
+
+Prints tok/s (sequence tokens), each cache's ratio to resident, peak GPU memory and the profiler's
+stage breakdown. `--small` shrinks everything so the script can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_cache.codecs import get_codec  # noqa: E402
+from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest  # noqa: E402
+from dflash_cache.reader import CacheReader, write_index  # noqa: E402
+from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records, write_segment  # noqa: E402
+from train.cache_source import Position  # noqa: E402
+from train.config import DrafterConfig  # noqa: E402
+from train.drafter import FrozenTargetHead  # noqa: E402
+from train.trainer import TrainConfig, Trainer  # noqa: E402
+
+LAYER_IDS = (1, 9, 17, 25, 33)
+
+
+def shapes(small: bool) -> dict:
+    if small:
+        return dict(hidden=128, inter=384, heads=4, kv=2, head_dim=32, vocab=2048, seq=256, layers=2)
+    return dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, seq=3072, layers=5)
+
+
+def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, vocab: int, device) -> None:
+    """A cache of random sequences (10% prompt, 90% supervised) with random bf16 features."""
+    shutil.rmtree(root, ignore_errors=True)
+    (root / SEGMENTS_DIR).mkdir(parents=True)
+    (root / COMMITS_DIR).mkdir()
+    c = get_codec(codec)
+    specs = c.arrays(len(LAYER_IDS), hidden)
+    rng = np.random.default_rng(0)
+    per_segment = max(1, 16384 // seq)
+    n_seq = max(per_segment, tokens // seq)
+    segments = -(-n_seq // per_segment)
+    for s in range(segments):
+        n = min(per_segment, n_seq - s * per_segment)
+        t = n * seq
+        feats = torch.randn(t, len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
+        arrays = {}
+        for k, v in c.encode(feats, len(LAYER_IDS)).items():
+            a = v.cpu().numpy()
+            arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        mask = np.ones(t, np.uint8)
+        for i in range(n):
+            mask[i * seq : i * seq + seq // 10] = 0
+        write_segment(root, unit=0, batch=s, bucket=0, rank=0, feature_arrays=arrays, feature_specs=specs,
+                      input_ids=rng.integers(0, vocab, size=t).astype(np.int32), loss_mask=mask,
+                      lengths=np.full(n, seq), sample_ids=np.arange(s * per_segment, s * per_segment + n))
+    target = TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
+                            num_hidden_layers=36, hidden_size=hidden, vocab_size=vocab)
+    write_manifest(root, Manifest(
+        target=target, layer_ids=LAYER_IDS, hidden_size=hidden, codec=codec, dataset_fingerprint="synthetic",
+        dataset_description="synthetic", plan=PlanParams(
+            unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
+            overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,
+            num_tokens=n_seq * seq)))
+    write_index(root, read_records(root))
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(trainer: Trainer, batches, steps: int, device) -> tuple[float, int]:
+    sync(device)
+    t0, tokens = time.perf_counter(), 0
+    for batch in itertools.islice(batches, steps):
+        trainer.train_step(batch)
+        tokens += batch.num_tokens
+    sync(device)
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=300_000, help="tokens in each synthetic cache")
+    ap.add_argument("--steps", type=int, default=20, help="timed optimiser steps per source")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=12288)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--codecs", default="fp8,bf16")
+    ap.add_argument("--out", default="/tmp/dflash-bench-train")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s = shapes(args.small)
+    out = Path(args.out)
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
+
+    cfg_kw = dict(target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
+                  num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
+                  progress=False, profile_interval=10**9, prefetch=4, read_threads=4)
+    drafter_cfg = DrafterConfig(
+        hidden_size=s["hidden"], intermediate_size=s["inter"], num_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"], rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=40960, vocab_size=s["vocab"], block_size=cfg_kw["block_size"],
+        mask_token_id=s["vocab"] - 1, target_layer_ids=LAYER_IDS, layer_types=("full_attention",) * s["layers"],
+        target_num_hidden_layers=36)
+    g = torch.Generator().manual_seed(0)
+    head = FrozenTargetHead(torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02,
+                            torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02)
+
+    resident = None
+    for codec in args.codecs.split(","):
+        root = out / f"cache-{codec}"
+        t0 = time.perf_counter()
+        write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device)
+        print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
+        trainer = Trainer(TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw),
+                          reader=CacheReader(root), drafter_cfg=drafter_cfg, head=head, device=device)
+        warm = (b for _, b in trainer.source.iterate(Position(0, 0)))
+        timed_steps(trainer, warm, args.warmup, device)
+        if resident is None:  # the same batches the cache runs see, decoded and held on the GPU
+            resident = [b for _, b in itertools.islice(trainer.source.iterate(Position(0, 0)), args.steps)]
+            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+            sec, tok = timed_steps(trainer, iter(resident), args.steps, device)
+            results["runs"]["resident"] = {"tok_s": tok / sec, "steps": args.steps}
+            print(f"resident: {tok / sec:,.0f} tok/s", flush=True)
+        dropped = drop_page_cache()
+        trainer.profiler.maybe_report(force=True)  # reset the window
+        batches = (b for _, b in trainer.source.iterate(Position(0, 0)))
+        sec, tok = timed_steps(trainer, batches, args.steps, device)
+        report = trainer.profiler.maybe_report(force=True)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        results["runs"][codec] = {"tok_s": tok / sec, "page_cache_dropped": dropped, "peak_gib": peak,
+                                  "profile": report}
+        print(f"cache {codec}: {tok / sec:,.0f} tok/s (page cache dropped: {dropped}); peak GPU {peak:.1f} GiB",
+              flush=True)
+        print(report, flush=True)
+        del trainer
+    base = results["runs"]["resident"]["tok_s"]
+    print("\n| source | tok/s | ratio vs resident |\n|---|---:|---:|")
+    for name, r in results["runs"].items():
+        print(f"| {name} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
