@@ -33,6 +33,7 @@ class TargetIdentity:
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
+    weights_fingerprint: str = ""  # cheap hash of the weight files (names, sizes, head and tail bytes)
 
 
 @dataclass(frozen=True, slots=True)

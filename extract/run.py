@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,8 +62,8 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def extract(cfg: ExtractConfig, gpus: str = "all", echo=print) -> None:
-    """The whole job. `echo` shows the plan and the result to the user (the CLI passes click.echo)."""
+def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] = log.info) -> None:
+    """The whole job. `echo` shows the plan and the result (logged by default; the CLI passes click.echo)."""
     dist = torchrun_env()
     if dist is not None and dist[1] > 1:
         return _extract_torchrun(cfg, *dist, echo=echo)

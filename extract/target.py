@@ -108,6 +108,24 @@ def check_layers(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
     return list(layer_ids)
 
 
+def weights_fingerprint(name: str) -> str:
+    """Tells checkpoints of one architecture apart without reading them whole: sha256 over each
+    weight file's name, size and first and last MiB (for `tiny`, its seed and scales)."""
+    h = hashlib.sha256()
+    if name == TINY:
+        h.update(f"tiny:{TINY_SEED}:{TINY_RESIDUAL_SCALE}:{TINY_LM_HEAD_SCALE}".encode())
+        return h.hexdigest()[:16]
+    files = sorted(p for p in Path(name).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
 def config_hash(config) -> str:
     d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -169,6 +187,7 @@ def describe_target(spec: TargetSpec) -> TargetDescription:
         num_hidden_layers=total,
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
+        weights_fingerprint=weights_fingerprint(spec.model),
     )
     return TargetDescription(spec=spec, config=config, identity=identity, layer_ids=layer_ids)
 

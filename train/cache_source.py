@@ -167,7 +167,7 @@ class CacheSource:
 
 
 def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],
-                   hidden_size: int, vocab_size: int) -> None:
+                   hidden_size: int, vocab_size: int, weights_fingerprint: str | None = None) -> None:
     """Refuse a cache made for another target or layer choice, naming the field that differs."""
     expected = {
         "layer_ids": (tuple(manifest.layer_ids), tuple(layer_ids)),
@@ -176,6 +176,8 @@ def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_
     }
     if target_config_hash is not None:
         expected["target.config_hash"] = (manifest.target.config_hash, target_config_hash)
+    if weights_fingerprint is not None:
+        expected["target.weights_fingerprint"] = (manifest.target.weights_fingerprint, weights_fingerprint)
     for name, (have, want) in expected.items():
         if have != want:
             raise UserError(f"cache manifest field {name} is {have!r} but the drafter/target needs {want!r}; "

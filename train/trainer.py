@@ -100,7 +100,8 @@ class Trainer:
         target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
                                             trust_remote_code=cfg.trust_remote_code))
         check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
-                       hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size)
+                       hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
+                       weights_fingerprint=target.identity.weights_fingerprint)
         drafter_cfg = DrafterConfig.from_target(
             target.config, tuple(m.layer_ids), num_layers=cfg.draft_layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, sliding_window=cfg.sliding_window,

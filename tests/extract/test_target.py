@@ -87,3 +87,17 @@ def test_sliding_window_targets_keep_hugging_face_masks():
     assert prebuilt_mask_ok(config)
     config.layer_types = ["sliding_attention"] + config.layer_types[1:]
     assert not prebuilt_mask_ok(config)
+
+
+def test_weights_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    from extract.target import tiny_config, weights_fingerprint
+
+    for seed, name in ((0, "a"), (0, "a_again"), (1, "b")):
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(tiny_config()).save_pretrained(tmp_path / name)
+    a, a_again, b = (weights_fingerprint(str(tmp_path / n)) for n in ("a", "a_again", "b"))
+    assert a == a_again != b
+    ids = [describe_target(TargetSpec(model=str(tmp_path / n))).identity for n in ("a", "b")]
+    assert ids[0].config_hash == ids[1].config_hash and ids[0].weights_fingerprint != ids[1].weights_fingerprint

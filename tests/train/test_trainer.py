@@ -135,3 +135,20 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_cache_from_another_checkpoint_of_the_same_architecture_is_refused(tmp_path, small_parquet):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from extract.target import tiny_config
+    from tests.conftest import extract_config
+
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(tiny_config()).save_pretrained(tmp_path / name)
+    cache = tmp_path / "cache"
+    extract(extract_config(small_parquet, cache, target=TargetSpec(model=str(tmp_path / "a"))), "cpu")
+    r = CliRunner().invoke(cli, ["train", "--cache", str(cache), "--target", str(tmp_path / "b"),
+                                 "--out", str(tmp_path / "run"), "--max-steps", "1", "--device", "cpu"])
+    assert r.exit_code == 2 and "target.weights_fingerprint" in r.output, r.output
