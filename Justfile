@@ -25,3 +25,7 @@ lint:
 # GPU benchmark of phase 1 (an NVIDIA GPU; see bench/extract.py --help).
 bench-extract *args:
     python3 bench/extract.py {{args}}
+
+# GPU benchmark of phase 2 (an NVIDIA GPU; see bench/train.py --help).
+bench-train *args:
+    python3 bench/train.py {{args}}
