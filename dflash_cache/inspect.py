@@ -73,6 +73,17 @@ def summarize(reader: CacheReader) -> dict[str, Any]:
     }
 
 
+def bucket_table(bounds: list[int] | tuple[int, ...], counts: list[int], noun: str) -> list[str]:
+    """`  Bucket i [lo, hi):  count noun (pct%)` lines, the layout extract's plan print uses too."""
+    total = max(1, sum(counts))
+    width = len(str(max(bounds[-1], 1)))
+    lines = []
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
+        lines.append(f"  Bucket {i} [{lo:>{width}}, {hi}): {counts[i]:>6} {noun} ({100 * counts[i] / total:5.1f}%)")
+    return lines
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"cache            {s['cache']}  ({'complete' if s['complete'] else 'INCOMPLETE'})",
@@ -87,11 +98,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['raw_bf16_bytes_per_token']:,} B/token, {s['compression_vs_raw_bf16']:.2f}x smaller)",
         "buckets:",
     ]
-    bounds, counts = s["bucket_bounds"], s["bucket_segments"]
-    total = max(1, sum(counts))
-    for i, lo in enumerate(bounds):
-        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
-        lines.append(f"  Bucket {i} [{lo:>4}, {hi}): {counts[i]:>6} segments ({100 * counts[i] / total:5.1f}%)")
+    lines += bucket_table(s["bucket_bounds"], s["bucket_segments"], "segments")
     missing = s["missing_units"]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")

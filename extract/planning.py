@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_cache.errors import UserError
+from dflash_cache.inspect import bucket_table
 
 DEFAULT_BUCKETS = (0, 770, 1216, 1728, 2432, 3296)
 DEFAULT_TOKEN_BUDGET = 49152
@@ -84,19 +85,10 @@ class Plan:
         """The plan as printed at start: batch count, rows per batch, and the bucket table."""
         rows = np.array([len(b.rows) for b in self.batches]) if self.batches else np.zeros(1)
         lines = [f"Batches per epoch: {len(self.batches)} (min={rows.min()} max={rows.max()} avg={rows.mean():.1f})"]
-        lines += bucket_table(self.config.bucket_bounds, [b.bucket for b in self.batches])
+        buckets = np.asarray([b.bucket for b in self.batches], dtype=np.int64)
+        counts = np.bincount(buckets, minlength=len(self.config.bucket_bounds)).tolist()
+        lines += bucket_table(self.config.bucket_bounds, counts, "batches")
         return "\n".join(lines)
-
-
-def bucket_table(bounds: tuple[int, ...], buckets: list[int]) -> list[str]:
-    counts = np.bincount(np.asarray(buckets, dtype=np.int64), minlength=len(bounds))
-    total = max(1, int(counts.sum()))
-    width = len(str(max(bounds[-1], 1)))
-    lines = []
-    for i, lo in enumerate(bounds):
-        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
-        lines.append(f"  Bucket {i} [{lo:>{width}}, {hi}): {counts[i]:>6} batches ({100 * counts[i] / total:5.1f}%)")
-    return lines
 
 
 def plan_unit(unit: int, first_row: int, lengths: np.ndarray, keep: np.ndarray, config: PlanConfig) -> list[PlannedBatch]:
