@@ -36,9 +36,9 @@ from dflash_cache.codecs import get_codec  # noqa: E402
 from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest  # noqa: E402
 from dflash_cache.reader import CacheReader, write_index  # noqa: E402
 from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records, write_segment  # noqa: E402
-from train.cache_source import Position  # noqa: E402
 from train.config import DrafterConfig  # noqa: E402
 from train.drafter import FrozenTargetHead  # noqa: E402
+from train.epochs import Position  # noqa: E402
 from train.trainer import TrainConfig, Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)

@@ -1,11 +1,6 @@
 """The cache source: packed training batches streamed from an extraction cache.
 
-Planning is pure numpy over the cache index (no feature data): samples with too few supervised
-tokens are dropped, the rest are grouped by length bucket, shuffled within buckets with a
-generator seeded by (seed, epoch), packed greedily under a real-token budget (no padding), and the
-batch order is shuffled again. Batch i of the epoch goes to rank i % world, and every rank gets the
-same number of batches (the remainder is dropped and counted) so data-parallel steps stay in step.
-A position is two integers, (epoch, batches consumed), from which the plan is recomputed on resume.
+Batches are planned from the cache index alone (`train.epochs`), no feature data.
 
 Reading runs in background threads `prefetch` batches ahead (zarr decompression releases the
 GIL); host arrays are pinned and copied to the device on a side stream, where fp8 is dequantised
@@ -18,7 +13,6 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,51 +23,9 @@ from dflash_cache.manifest import Manifest
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.reader import CacheReader
 from train.batch import PackedBatch, positions_from_cu_seqlens
+from train.epochs import Position, SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceConfig:
-    token_budget: int = 32768  # real (unpadded) tokens per packed batch
-    min_supervised: int = 32   # samples with fewer supervised tokens are dropped (DFlash: 2 x block size)
-    seed: int = 0
-    prefetch: int = 4
-    read_threads: int = 4
-
-    def __post_init__(self) -> None:
-        if self.token_budget < 1 or self.prefetch < 1 or self.read_threads < 1:
-            raise UserError("--token-budget, --prefetch and --read-threads must be positive")
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where a source stands: the epoch and how many of this rank's batches of it were consumed."""
-
-    epoch: int
-    batch: int
-
-
-def plan_epoch(lengths: np.ndarray, supervised: np.ndarray, buckets: np.ndarray, *, seed: int, epoch: int,
-               token_budget: int, min_supervised: int, rank: int = 0, world: int = 1) -> list[np.ndarray]:
-    """This rank's batches of one epoch, each an array of index rows. Deterministic in (seed, epoch)."""
-    rng = np.random.default_rng([seed, epoch])
-    keep = np.flatnonzero(supervised >= min_supervised)
-    batches: list[np.ndarray] = []
-    for bucket in np.unique(buckets[keep]):
-        rows = keep[buckets[keep] == bucket]
-        rows = rows[rng.permutation(len(rows))]
-        cum = np.cumsum(lengths[rows])
-        start = 0
-        while start < len(rows):
-            base = cum[start - 1] if start else 0
-            stop = int(np.searchsorted(cum, base + token_budget, side="right"))
-            stop = max(stop, start + 1)  # a sample longer than the budget travels alone
-            batches.append(rows[start:stop])
-            start = stop
-    order = rng.permutation(len(batches))
-    usable = len(batches) - len(batches) % world
-    return [batches[i] for i in order[:usable]][rank::world]
 
 
 class CacheSource:
@@ -85,21 +37,16 @@ class CacheSource:
         self.rank, self.world = rank, world
         self.profiler = profiler or StageProfiler(None)
         index = reader.index
-        self._segment = index.column("segment").to_numpy(zero_copy_only=False)
-        self._offset = index.column("row_offset").to_numpy()
-        self._length = index.column("length").to_numpy().astype(np.int64)
-        self._supervised = index.column("supervised").to_numpy()
-        self._bucket = index.column("bucket").to_numpy()
-        self._sample_id = index.column("sample_id").to_numpy()
+        self.table, order = SampleTable.sorted(*(index.column(c).to_numpy()
+                                                 for c in ("sample_id", "length", "supervised", "bucket")))
+        self._segment = index.column("segment").to_numpy(zero_copy_only=False)[order]
+        self._offset = index.column("row_offset").to_numpy()[order]
         self._feature_keys = list(reader.codec.arrays(reader.manifest.n_layers, reader.manifest.hidden_size))
         self.cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        c = self.config
-        return plan_epoch(self._length, self._supervised, self._bucket, seed=c.seed, epoch=epoch,
-                          token_budget=c.token_budget, min_supervised=c.min_supervised,
-                          rank=self.rank, world=self.world)
+        return self.table.epoch(self.config, epoch, self.rank, self.world)
 
     def batches_per_epoch(self) -> int:
         return len(self.epoch_batches(0))
@@ -127,13 +74,13 @@ class CacheSource:
             parts: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", *self._feature_keys)}
             for r in rows:
                 name, lo = str(self._segment[r]), int(self._offset[r])
-                hi = lo + int(self._length[r])
+                hi = lo + int(self.table.lengths[r])
                 for key in parts:
                     parts[key].append(self.reader.read_array(name, key, lo, hi))
             host = {k: np.concatenate(v) for k, v in parts.items()}
-        lengths = self._length[rows]
+        lengths = self.table.lengths[rows]
         host["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        host["sample_ids"] = self._sample_id[rows].astype(np.int64)
+        host["sample_ids"] = self.table.sample_ids[rows]
         return host
 
     def _to_device(self, host: dict[str, np.ndarray]) -> PackedBatch:

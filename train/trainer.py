@@ -27,7 +27,7 @@ from dflash_cache.reader import CacheReader
 from extract.target import TargetSpec, describe_target, load_target
 from train.anchors import sample_anchors
 from train.batch import PackedBatch
-from train.cache_source import CacheSource, Position, SourceConfig, check_manifest
+from train.cache_source import CacheSource, check_manifest
 from train.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -37,6 +37,7 @@ from train.checkpoint import (
 )
 from train.config import DrafterConfig
 from train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
+from train.epochs import Position, SourceConfig
 from train.export import export_drafter
 from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from train.masks import build_masks, context_doc_pos

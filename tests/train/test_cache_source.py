@@ -10,7 +10,8 @@ from dflash_cache.errors import UserError
 from dflash_cache.reader import CacheReader
 from extract.run import extract
 from tests.conftest import extract_config
-from train.cache_source import CacheSource, Position, SourceConfig, check_manifest, plan_epoch
+from train.cache_source import CacheSource, check_manifest
+from train.epochs import Position, SourceConfig, plan_epoch
 
 
 def _index(n=500, seed=0):
