@@ -34,11 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.codecs import get_codec  # noqa: E402
 from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest  # noqa: E402
+from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.reader import CacheReader, write_index  # noqa: E402
 from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records, write_segment  # noqa: E402
+from train.cache_source import CacheSource  # noqa: E402
 from train.config import DrafterConfig  # noqa: E402
 from train.drafter import FrozenTargetHead  # noqa: E402
 from train.epochs import Position  # noqa: E402
+from train.sources import source_config  # noqa: E402
 from train.trainer import TrainConfig, Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)
@@ -147,8 +150,10 @@ def main() -> None:
         t0 = time.perf_counter()
         write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device)
         print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
-        trainer = Trainer(TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw),
-                          reader=CacheReader(root), drafter_cfg=drafter_cfg, head=head, device=device)
+        cfg = TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw)
+        profiler = StageProfiler(10**9)
+        source = CacheSource(CacheReader(root), source_config(cfg), device=device, profiler=profiler)
+        trainer = Trainer(cfg, source=source, drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
         warm = (b for _, b in trainer.source.iterate(Position(0, 0)))
         timed_steps(trainer, warm, args.warmup, device)
         if resident is None:  # the same batches the cache runs see, decoded and held on the GPU

@@ -106,8 +106,9 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
 
 
 @cli.command()
-@click.option("--cache", required=True, type=click.Path(), help="A cache made by `dflash-cache extract`.")
-@click.option("--target", required=True, help="The target the cache was made with (local directory or 'tiny').")
+@click.option("--cache", type=click.Path(), default=None, help="A cache made by `dflash-cache extract`.")
+@click.option("--live", is_flag=True, help="No cache: run the target beside the drafter (needs --data).")
+@click.option("--target", required=True, help="The target (local directory or 'tiny'); with --cache, the one it was made with.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory: checkpoints, metrics, export.")
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--draft-layers", default=5, show_default=True)
@@ -121,20 +122,44 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
 @click.option("--save-every", default=500, show_default=True, help="Checkpoint every N steps (and at exit).")
 @click.option("--log-every", default=10, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out.")
-@click.option("--device", default="auto", show_default=True, help="'auto', 'cpu' or 'cuda[:i]'.")
+@click.option("--device", default="auto", show_default=True, help="Drafter device: 'auto', 'cpu' or 'cuda[:i]'.")
+@click.option("--data", default=None, help="--live: the tokenized dataset (as for extract), or 'demo'.")
+@click.option("--limit", type=int, default=None, help="--live: only the first N rows.")
+@click.option("--max-len", type=int, default=None, help="--live: longest row kept (longer rows are truncated).")
+@click.option("--num-target-layers", default=5, show_default=True, help="--live: target layers to capture.")
+@click.option("--layers", default=None, help="--live: explicit target layer ids, e.g. 1,9,17,25,33.")
+@click.option("--target-gpus", default="same", show_default=True,
+              help="--live: 'same' (the drafter's device), 'cpu', or GPU indices like 0,1 (one worker each).")
+@click.option("--queue-depth", default=60, show_default=True, help="--live: batches buffered between target and drafter.")
+@click.option("--target-token-budget", default=49152, show_default=True,
+              help="--live: padded tokens per target forward (planned as extract plans its batches).")
+@click.option("--target-max-rows", default=64, show_default=True, help="--live: rows per target forward at most.")
+@click.option("--write-cache", type=click.Path(file_okay=False), default=None,
+              help="--live: also commit epoch 0's features to this cache (train offline from it later).")
+@click.option("--write-codec", type=click.Choice(["none", "bf16", "fp8"]), default="bf16", show_default=True)
 @click.option("--profile-interval", type=float, default=None,
               help="Seconds between stage-timing reports (or DFLASH_PROFILE_INTERVAL).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def train(cache, target, out, block_size, draft_layers, num_anchors, epochs, max_steps, lr, token_budget,
-          sliding_window, seed, save_every, log_every, resume, device, profile_interval, no_progress) -> None:
-    """Phase 2: train a DFlash drafter from a cache; exports to OUT/export."""
-    from train.trainer import TrainConfig
+def train(cache, live, target, out, block_size, draft_layers, num_anchors, epochs, max_steps, lr, token_budget,
+          sliding_window, seed, save_every, log_every, resume, device, data, limit, max_len, num_target_layers,
+          layers, target_gpus, queue_depth, target_token_budget, target_max_rows, write_cache, write_codec, profile_interval,
+          no_progress) -> None:
+    """Phase 2: train a DFlash drafter from a cache (or --live from the target); exports to OUT/export."""
+    from train.trainer import LiveConfig, TrainConfig
     from train.trainer import train as run_train
 
-    cfg = TrainConfig(cache=cache, target=target, out=out, block_size=block_size, draft_layers=draft_layers,
-                      num_anchors=num_anchors, epochs=epochs, max_steps=max_steps, lr=lr, token_budget=token_budget,
-                      sliding_window=sliding_window, seed=seed, save_every=save_every, log_every=log_every,
-                      resume=resume, profile_interval=profile_interval, progress=not no_progress)
+    if live and (cache or not data):
+        raise UserError("--live takes --data (and no --cache); without --live, give --cache")
+    live_cfg = None
+    if live:
+        live_cfg = LiveConfig(data=data, limit=limit, max_len=max_len, target_gpus=target_gpus,
+                              num_target_layers=num_target_layers, layers=_int_list(layers), queue_depth=queue_depth,
+                              forward_token_budget=target_token_budget, forward_max_rows=target_max_rows,
+                              write_cache=write_cache, write_codec=write_codec)
+    cfg = TrainConfig(cache=cache, live=live_cfg, target=target, out=out, block_size=block_size,
+                      draft_layers=draft_layers, num_anchors=num_anchors, epochs=epochs, max_steps=max_steps, lr=lr,
+                      token_budget=token_budget, sliding_window=sliding_window, seed=seed, save_every=save_every,
+                      log_every=log_every, resume=resume, profile_interval=profile_interval, progress=not no_progress)
     try:
         last = run_train(cfg, device)
     except KeyboardInterrupt:

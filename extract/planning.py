@@ -91,12 +91,16 @@ class Plan:
         return "\n".join(lines)
 
 
+def buckets_of(lengths: np.ndarray, bounds: tuple[int, ...]) -> np.ndarray:
+    """The length bucket of each length: i such that bounds[i] <= length < bounds[i + 1]."""
+    return np.searchsorted(np.asarray(bounds), lengths, side="right") - 1
+
+
 def plan_unit(unit: int, first_row: int, lengths: np.ndarray, keep: np.ndarray, config: PlanConfig) -> list[PlannedBatch]:
     """Batches of one unit. `lengths`/`keep` cover the unit's rows only."""
     local = np.flatnonzero(keep)
     order = local[np.argsort(lengths[local], kind="stable")]
-    bounds = np.asarray(config.bucket_bounds)
-    bucket_of = np.searchsorted(bounds, lengths[order], side="right") - 1
+    bucket_of = buckets_of(lengths[order], config.bucket_bounds)
     batches: list[PlannedBatch] = []
     for bucket in np.unique(bucket_of):
         rows = order[bucket_of == bucket]

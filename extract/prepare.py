@@ -56,17 +56,18 @@ class Job:
         return Path(self.config.out)
 
 
-def open_data(cfg: ExtractConfig) -> TokenizedDataset:
-    if cfg.data == "demo":
+def open_data(data: str, limit: int | None = None) -> TokenizedDataset:
+    """`--data`: a dataset path, or 'demo' for the built-in demo set."""
+    if data == "demo":
         from extract.demo import demo_table
 
         table = demo_table()
-        if cfg.limit is not None:
-            if cfg.limit <= 0:
-                raise UserError(f"--limit must be positive, got {cfg.limit}")
-            table = table.slice(0, cfg.limit)
+        if limit is not None:
+            if limit <= 0:
+                raise UserError(f"--limit must be positive, got {limit}")
+            table = table.slice(0, limit)
         return from_table(table, name="demo")
-    return open_dataset(cfg.data, limit=cfg.limit)
+    return open_dataset(data, limit=limit)
 
 
 def build_manifest(cfg: ExtractConfig, target: TargetDescription, dataset: TokenizedDataset, plan: Plan) -> Manifest:
@@ -90,7 +91,7 @@ def build_manifest(cfg: ExtractConfig, target: TargetDescription, dataset: Token
 def plan_job(cfg: ExtractConfig) -> Job:
     """Validate everything and compute the plan; writes nothing."""
     target = describe_target(cfg.target)
-    dataset = open_data(cfg)
+    dataset = open_data(cfg.data, cfg.limit)
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
     plan = make_plan(scan.lengths, scan.keep, cfg.plan)
     if not plan.batches:
@@ -122,7 +123,7 @@ def open_or_create(job: Job) -> set[str]:
                     f"cache {root} was made differently: {shown}{more}; pass --overwrite to start over "
                     "or choose another --out"
                 )
-    elif root.exists() and any(p.name != ".lock" for p in root.iterdir()):
+    elif root.exists() and any(not p.name.startswith(".lock") for p in root.iterdir()):
         raise UserError(f"--out {root} exists and is not a dflash-cache; choose an empty or new directory")
     if not (root / MANIFEST_FILE).is_file():
         root.mkdir(parents=True, exist_ok=True)

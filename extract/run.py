@@ -80,7 +80,7 @@ def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] =
             run_rank(job, committed, rank=0, world=1, device=device)
         else:
             _spawn_workers(cfg, devices)
-        _finish(job.root, echo, time.perf_counter() - t0)
+        finish_cache(job.root, echo, time.perf_counter() - t0)
 
 
 def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: torch.device) -> None:
@@ -107,7 +107,7 @@ def worker_job(cfg: ExtractConfig) -> Job:
     """The job as a worker sees it: the plan comes from the cache the parent created."""
     root = Path(cfg.out)
     manifest = read_manifest(root)
-    return Job(cfg, describe_target(cfg.target), open_data(cfg), None, read_plan(root, manifest), manifest)
+    return Job(cfg, describe_target(cfg.target), open_data(cfg.data, cfg.limit), None, read_plan(root, manifest), manifest)
 
 
 def _spawn_workers(cfg: ExtractConfig, devices: list[int]) -> None:
@@ -165,14 +165,15 @@ def _extract_torchrun(cfg: ExtractConfig, rank: int, world: int, echo) -> None:
         run_rank(job, committed, rank=rank, world=world, device=device)
         dist.barrier()
         if rank == 0:
-            _finish(job.root, echo, time.perf_counter() - t0)
+            finish_cache(job.root, echo, time.perf_counter() - t0)
     finally:
         if lock is not None:
             lock.__exit__(None, None, None)
         dist.destroy_process_group()
 
 
-def _finish(root: Path, echo, seconds: float) -> None:
+def finish_cache(root: Path, echo: Callable[[str], None], seconds: float) -> None:
+    """Rewrite the index from the commits and report how complete the cache is."""
     records = read_records(root)
     write_index(root, records)
     manifest = read_manifest(root)

@@ -289,7 +289,7 @@ class HiddenStateCapture:
 
         return pack
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the live source hands these features to autograd
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
         n_tokens = gather.shape[0]
         width = len(self.layer_ids) * self.hidden_size

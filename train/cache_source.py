@@ -48,6 +48,9 @@ class CacheSource:
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         return self.table.epoch(self.config, epoch, self.rank, self.world)
 
+    def close(self) -> None:
+        """Nothing to release: reader threads live only while `iterate` runs."""
+
     def batches_per_epoch(self) -> int:
         return len(self.epoch_batches(0))
 

@@ -23,11 +23,9 @@ from tqdm import tqdm
 
 from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler, interval_from_env
-from dflash_cache.reader import CacheReader
-from extract.target import TargetSpec, describe_target, load_target
 from train.anchors import sample_anchors
 from train.batch import PackedBatch
-from train.cache_source import CacheSource, check_manifest
+from train.cache_source import CacheSource
 from train.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -37,19 +35,41 @@ from train.checkpoint import (
 )
 from train.config import DrafterConfig
 from train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
-from train.epochs import Position, SourceConfig
+from train.epochs import Position
 from train.export import export_drafter
+from train.live_source import LiveSource
 from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from train.masks import build_masks, context_doc_pos
 
 log = logging.getLogger(__name__)
+Source = CacheSource | LiveSource
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveConfig:
+    """`train --live`: the target runs beside the drafter instead of a cache feeding it."""
+
+    data: str
+    limit: int | None = None
+    max_len: int | None = None
+    overlong: str = "truncate"
+    target_gpus: str = "same"   # 'same' (the drafter's device), 'cpu', or GPU indices like 0,1
+    num_target_layers: int = 5
+    layers: tuple[int, ...] | None = None
+    dtype: str = "bfloat16"
+    queue_depth: int = 60
+    forward_token_budget: int = 49152  # the target's forward batches, planned as extraction plans them
+    forward_max_rows: int = 64
+    write_cache: str | None = None
+    write_codec: str = "bf16"
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    cache: str
     target: str
     out: str
+    cache: str | None = None
+    live: LiveConfig | None = None
     block_size: int = 16
     draft_layers: int = 5
     num_anchors: int = 512
@@ -74,6 +94,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if (self.cache is None) == (self.live is None):
+            raise UserError("give either --cache DIR or --live with --data")
         if self.epochs < 1 and self.max_steps is None:
             raise UserError("--epochs must be at least 1 (or give --max-steps)")
         if self.block_size < 2 or self.num_anchors < 1 or self.draft_layers < 1:
@@ -96,25 +118,18 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> Trainer:
-        reader = CacheReader(cfg.cache)
-        m = reader.manifest
-        target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
-                                            trust_remote_code=cfg.trust_remote_code))
-        check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
-                       hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
-                       weights_fingerprint=target.identity.weights_fingerprint)
-        drafter_cfg = DrafterConfig.from_target(
-            target.config, tuple(m.layer_ids), num_layers=cfg.draft_layers, block_size=cfg.block_size,
-            mask_token_id=cfg.mask_token_id, sliding_window=cfg.sliding_window,
-        )
-        head = FrozenTargetHead.from_target(load_target(target, device, keep=0))
-        return cls(cfg, reader=reader, drafter_cfg=drafter_cfg, head=head, device=device, rank=rank, world=world)
+        from train.sources import cache_parts, live_parts
 
-    def __init__(self, cfg: TrainConfig, *, reader: CacheReader, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
-                 device: torch.device, rank: int = 0, world: int = 1) -> None:
+        profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
+        parts = (cache_parts if cfg.cache is not None else live_parts)(cfg, device, rank, world, profiler)
+        return cls(cfg, source=parts.source, drafter_cfg=parts.drafter_cfg, head=parts.head, device=device,
+                   rank=rank, world=world, profiler=profiler)
+
+    def __init__(self, cfg: TrainConfig, *, source: Source, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
+                 device: torch.device, rank: int = 0, world: int = 1, profiler: StageProfiler | None = None) -> None:
         self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
         self.out = Path(cfg.out)
-        self.reader, self.drafter_cfg = reader, drafter_cfg
+        self.source, self.drafter_cfg = source, drafter_cfg
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
@@ -127,16 +142,12 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
         )
-        self.profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
-        self.source = CacheSource(
-            self.reader, SourceConfig(token_budget=cfg.token_budget, min_supervised=2 * cfg.block_size,
-                                      seed=cfg.seed, prefetch=cfg.prefetch, read_threads=cfg.read_threads),
-            device=device, rank=rank, world=world, profiler=self.profiler,
-        )
+        self.profiler = profiler or StageProfiler(None)
         per_epoch = self.source.batches_per_epoch()
         if per_epoch == 0:
-            raise UserError(f"cache {cfg.cache} yields no training batch: no sample has >= {2 * cfg.block_size} "
-                            "supervised tokens (DFlash drops shorter ones); lower --block-size or add data")
+            raise UserError(f"{cfg.cache or cfg.live.data} yields no training batch: no sample has >= "
+                            f"{2 * cfg.block_size} supervised tokens (DFlash drops shorter ones); lower "
+                            "--block-size or add data")
         self.total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else cfg.max_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_ratio))
@@ -254,9 +265,10 @@ class Trainer:
         except KeyboardInterrupt:
             log.warning("interrupted at step %d: saving a checkpoint", self.step)
             self.save()
-            bar.close()
             raise
-        bar.close()
+        finally:
+            bar.close()
+            self.source.close()
         if window:
             last = self._log(window, time.perf_counter() - t_window, tok_window, metrics_path)
         self.save()

@@ -1,0 +1,117 @@
+"""The live source against the cache source: same batches, bit for bit; failures end the run."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_cache.errors import UserError
+from dflash_cache.inspect import verify
+from dflash_cache.reader import CacheReader
+from extract.config import ExtractConfig
+from extract.planning import PlanConfig
+from extract.prepare import open_data
+from extract.run import extract
+from extract.target import HiddenStateCapture, TargetSpec, describe_target, load_target
+from train.cache_source import CacheSource
+from train.epochs import Position, SourceConfig
+from train.live_source import LiveSource, live_sample_table
+from train.trainer import LiveConfig, TrainConfig, Trainer
+
+SOURCE = SourceConfig(token_budget=2048, min_supervised=16, seed=3, prefetch=2, read_threads=1)
+CPU = torch.device("cpu")
+
+
+# One row per target forward, in extraction and live alike: identical forward shapes, hence
+# identical features bit for bit. (Padded batches of other compositions differ in the last bit.)
+EXACT = PlanConfig(token_budget=4096, max_rows=1, unit_rows=64)
+
+
+@pytest.fixture(scope="module")
+def demo_bf16_cache(tmp_path_factory) -> Path:
+    """The demo data extracted with the default buckets (the ones the live source plans with)."""
+    root = tmp_path_factory.mktemp("live") / "cache"
+    cfg = ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(root), codec="bf16",
+                        plan=EXACT, writers=2, progress=False)
+    extract(cfg, "cpu", echo=lambda *_: None)
+    return root
+
+
+def live_source(capture_cls=HiddenStateCapture, **kw) -> LiveSource:
+    target = describe_target(TargetSpec(model="tiny"))
+    dataset = open_data("demo")
+    scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=None)
+    capture = capture_cls(load_target(target, CPU), target.layer_ids)
+    return LiveSource(dataset=dataset, table=live_sample_table(scan, PlanConfig().bucket_bounds), config=SOURCE,
+                      captures=[capture], target_devices=[CPU], device=CPU, max_len=None, overlong="truncate", **kw)
+
+
+def test_first_batches_from_cache_and_live_are_bit_identical(demo_bf16_cache):
+    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, device=CPU)
+    live = live_source(queue_depth=4, forward_plan=EXACT)
+    assert live.batches_per_epoch() == cache.batches_per_epoch() > 4
+    k = live.batches_per_epoch() + 2  # into the second epoch
+    with contextlib.closing(cache.iterate(Position(0, 0))) as c, contextlib.closing(live.iterate(Position(0, 0))) as lv:
+        for (pc, bc), (pl, bl) in zip(itertools.islice(c, k), itertools.islice(lv, k), strict=True):
+            assert pc == pl
+            for field in ("sample_ids", "cu_seqlens", "input_ids", "loss_mask", "position_ids", "features"):
+                a, b = getattr(bc, field), getattr(bl, field)
+                assert a.dtype == b.dtype and torch.equal(a, b), (pc, field)
+
+
+def test_default_forward_batching_changes_features_by_rounding_only(demo_bf16_cache):
+    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, device=CPU)
+    live = live_source(queue_depth=4)  # padded forward batches of up to 64 rows
+    with contextlib.closing(cache.iterate(Position(0, 0))) as c, contextlib.closing(live.iterate(Position(0, 0))) as lv:
+        for (_, bc), (_, bl) in itertools.islice(zip(c, lv, strict=False), 3):
+            assert torch.equal(bc.input_ids, bl.input_ids) and torch.equal(bc.sample_ids, bl.sample_ids)
+            x, y = bc.features.float(), bl.features.float()
+            assert (x - y).norm() <= 1e-2 * x.norm(), "bf16 rounding differences, nothing more"
+
+
+class _Exploding(HiddenStateCapture):
+    calls = 0
+
+    def __call__(self, *args):
+        type(self).calls += 1
+        if type(self).calls == 3:
+            raise RuntimeError("simulated CUDA error")
+        return super().__call__(*args)
+
+
+def test_a_failing_target_worker_ends_the_run_with_its_error():
+    source = live_source(_Exploding, queue_depth=2)
+    result: dict = {}
+
+    def consume():
+        try:
+            with contextlib.closing(source.iterate(Position(0, 0), epochs=1)) as batches:
+                for _ in batches:
+                    pass
+        except UserError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "the consumer hung on a dead target worker"
+    assert "target worker on cpu failed" in result["error"] and "simulated CUDA error" in result["error"]
+
+
+def test_live_run_trains_and_tees_a_valid_cache(tmp_path):
+    cfg = TrainConfig(target="tiny", out=str(tmp_path / "run"), block_size=8, draft_layers=2, num_anchors=16,
+                      token_budget=2048, lr=3e-3, max_steps=40, log_every=20, progress=False,
+                      live=LiveConfig(data="demo", queue_depth=4, write_cache=str(tmp_path / "tee")))
+    last = Trainer.build(cfg, device=CPU).fit()
+    assert last["step"] == 40 and last["loss"] < 12.0
+    reader = CacheReader(tmp_path / "tee")
+    assert reader.complete and not verify(reader)
+    # and training continues offline from what the live run wrote
+    offline = TrainConfig(target="tiny", cache=str(tmp_path / "tee"), out=str(tmp_path / "offline"), block_size=8,
+                          draft_layers=2, num_anchors=16, token_budget=2048, max_steps=2, progress=False)
+    assert Trainer.build(offline, device=CPU).fit()["step"] == 2

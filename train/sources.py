@@ -1,0 +1,96 @@
+"""Building a trainer's source and the pieces that depend on the target, for each way of feeding it.
+
+`cache_parts` checks a cache against the target before anything else is loaded; `live_parts`
+validates the dataset, loads one cut target per target device and (with `--write-cache`) opens
+the tee. Both load only the target's embedding and LM head for the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash_cache.errors import UserError
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.reader import CacheReader
+from extract.planning import DEFAULT_BUCKETS, PlanConfig
+from extract.prepare import open_data
+from extract.run import parse_gpus
+from extract.target import HiddenStateCapture, TargetDescription, TargetSpec, describe_target, load_target
+from train.cache_source import CacheSource, check_manifest
+from train.config import DrafterConfig
+from train.drafter import FrozenTargetHead
+from train.epochs import SourceConfig
+from train.live_source import LiveSource, live_sample_table
+
+if TYPE_CHECKING:
+    from train.trainer import TrainConfig
+
+
+@dataclass
+class Parts:
+    source: CacheSource | LiveSource
+    drafter_cfg: DrafterConfig
+    head: FrozenTargetHead
+
+
+def source_config(cfg: TrainConfig) -> SourceConfig:
+    return SourceConfig(token_budget=cfg.token_budget, min_supervised=2 * cfg.block_size, seed=cfg.seed,
+                        prefetch=cfg.prefetch, read_threads=cfg.read_threads)
+
+
+def _drafter_and_head(cfg: TrainConfig, target: TargetDescription, device: torch.device
+                      ) -> tuple[DrafterConfig, FrozenTargetHead]:
+    drafter_cfg = DrafterConfig.from_target(
+        target.config, tuple(target.layer_ids), num_layers=cfg.draft_layers, block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id, sliding_window=cfg.sliding_window,
+    )
+    return drafter_cfg, FrozenTargetHead.from_target(load_target(target, device, keep=0))
+
+
+def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
+    reader = CacheReader(cfg.cache)
+    m = reader.manifest
+    target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
+                                        trust_remote_code=cfg.trust_remote_code))
+    check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
+                   hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
+                   weights_fingerprint=target.identity.weights_fingerprint)
+    source = CacheSource(reader, source_config(cfg), device=device, rank=rank, world=world, profiler=profiler)
+    return Parts(source, *_drafter_and_head(cfg, target, device))
+
+
+def target_devices(spec: str, drafter: torch.device) -> list[torch.device]:
+    """--target-gpus: 'same' -> the drafter's device; 'cpu'; or GPU indices like 0,1."""
+    if spec == "same":
+        return [drafter]
+    ids = parse_gpus(spec)
+    return [torch.device("cpu")] if ids is None else [torch.device("cuda", i) for i in ids]
+
+
+def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
+    live = cfg.live
+    if world > 1:
+        raise UserError("--live runs in one process for now (target workers are threads); drop torchrun")
+    target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
+                                        layers=live.layers, trust_remote_code=cfg.trust_remote_code))
+    dataset = open_data(live.data, live.limit)
+    scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=live.max_len, overlong=live.overlong)
+    table = live_sample_table(scan, DEFAULT_BUCKETS)
+    devices = target_devices(live.target_gpus, device)
+    captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]
+    tee = None
+    if live.write_cache:
+        from train.tee import CacheTee
+
+        tee = CacheTee(out=live.write_cache, codec=live.write_codec, target=target, data=live.data,
+                       limit=live.limit, dataset=dataset, scan=scan, table=table, source_config=source_config(cfg),
+                       bucket_bounds=DEFAULT_BUCKETS, max_len=live.max_len, overlong=live.overlong,
+                       rank=rank, world=world)
+    source = LiveSource(dataset=dataset, table=table, config=source_config(cfg), captures=captures,
+                        target_devices=devices, device=device, max_len=live.max_len, overlong=live.overlong,
+                        forward_plan=PlanConfig(token_budget=live.forward_token_budget, max_rows=live.forward_max_rows),
+                        queue_depth=live.queue_depth, rank=rank, world=world, profiler=profiler, tee=tee)
+    return Parts(source, *_drafter_and_head(cfg, target, device))

@@ -1,0 +1,114 @@
+"""`train --live --write-cache DIR`: commit what the live target produces to a cache.
+
+Epoch 0's batches are written as the cache's segments (unit 0, batch g = the batch's index in the
+whole epoch plan), through the same manifest, plan table, lock, segment writer and commit protocol
+as `dflash-cache extract`, so the result is an ordinary cache: `inspect --verify` checks it and
+`train --cache DIR` continues offline. Batches a data-parallel epoch drops (the remainder that
+does not split evenly over ranks) and samples too short to train on are not in it. A resumed live
+run skips the segments already committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_cache.codecs import get_codec
+from dflash_cache.lock import CacheLock
+from dflash_cache.segments import segment_name, write_segment
+from extract.config import ExtractConfig
+from extract.dataset import DatasetScan, TokenizedDataset
+from extract.planning import Plan, PlanConfig, PlannedBatch
+from extract.prepare import Job, build_manifest, open_or_create
+from extract.run import finish_cache
+from extract.target import TargetDescription
+from train.batch import PackedBatch
+from train.epochs import SampleTable, SourceConfig
+
+log = logging.getLogger(__name__)
+
+
+def epoch0_plan(table: SampleTable, config: SourceConfig, bucket_bounds: tuple[int, ...], world: int) -> Plan:
+    """Epoch 0 of every rank, interleaved into global batch order (rank r's j-th is j * world + r)."""
+    shares = [table.epoch(config, 0, r, world) for r in range(world)]
+    batches = []
+    for j in range(len(shares[0])):
+        for r in range(world):
+            pos = shares[r][j]
+            batches.append(PlannedBatch(unit=0, batch=len(batches), bucket=int(table.buckets[pos[0]]),
+                                        rows=table.sample_ids[pos], lengths=table.lengths[pos].astype(np.int32)))
+    rows = max((len(b.rows) for b in batches), default=1)
+    plan_config = PlanConfig(token_budget=config.token_budget, max_rows=rows, unit_rows=max(1, len(table.sample_ids)),
+                             bucket_bounds=tuple(bucket_bounds))
+    return Plan(config=plan_config, num_rows=int(table.sample_ids.max(initial=-1)) + 1, batches=tuple(batches))
+
+
+class CacheTee:
+    """Callable the live source hands each epoch-0 batch to; `close()` waits for the writes."""
+
+    def __init__(self, *, out: str, codec: str, target: TargetDescription, data: str, limit: int | None,
+                 dataset: TokenizedDataset, scan: DatasetScan, table: SampleTable, source_config: SourceConfig,
+                 bucket_bounds: tuple[int, ...], max_len: int | None, overlong: str, rank: int, world: int) -> None:
+        self.root, self.rank, self.world = Path(out), rank, world
+        self.codec = get_codec(codec)
+        self.n_layers = len(target.layer_ids)
+        self.specs = self.codec.arrays(self.n_layers, target.hidden_size)
+        plan = self.plan = epoch0_plan(table, source_config, bucket_bounds, world)
+        cfg = ExtractConfig(target=target.spec, data=data, out=out, codec=codec, limit=limit, max_len=max_len,
+                            overlong=overlong, plan=plan.config, progress=False)
+        job = Job(cfg, target, dataset, scan, plan, build_manifest(cfg, target, dataset, plan))
+        self._lock = CacheLock(self.root, name=f".lock-rank{rank}")
+        self._lock.__enter__()
+        self.committed = open_or_create(job) if rank == 0 else set()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-tee")
+        self._in_flight = threading.BoundedSemaphore(2)
+        self._futures: list[Future] = []
+        self._stream = None
+        self._t0 = time.perf_counter()
+
+    def __call__(self, i: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
+        g = i * self.world + self.rank
+        if segment_name(0, g) in self.committed:
+            return
+        if batch.features.is_cuda:
+            self._stream = self._stream or torch.cuda.Stream(batch.features.device)
+            batch.features.record_stream(self._stream)
+        self._in_flight.acquire()
+        fut = self._pool.submit(self._write, g, batch, ready)
+        fut.add_done_callback(lambda _: self._in_flight.release())
+        self._futures.append(fut)
+
+    def _write(self, g: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
+        features = batch.features
+        if features.is_cuda:
+            with torch.cuda.stream(self._stream):
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                encoded = {k: v.cpu() for k, v in self.codec.encode(features, self.n_layers).items()}
+        else:
+            encoded = self.codec.encode(features, self.n_layers)
+        arrays = {}
+        for k, v in encoded.items():
+            a = v.numpy()
+            arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        cu = batch.cu_seqlens.cpu().numpy()
+        write_segment(self.root, unit=0, batch=g, bucket=self.plan.batches[g].bucket, rank=self.rank, feature_arrays=arrays,
+                      feature_specs=self.specs, input_ids=batch.input_ids.cpu().numpy().astype(np.int32),
+                      loss_mask=batch.loss_mask.cpu().numpy().astype(np.uint8), lengths=np.diff(cu),
+                      sample_ids=batch.sample_ids.cpu().numpy())
+
+    def close(self) -> None:
+        try:
+            for fut in self._futures:
+                fut.result()
+            self._pool.shutdown()
+            if self.rank == 0:
+                finish_cache(self.root, log.info, time.perf_counter() - self._t0)
+        finally:
+            self._lock.__exit__(None, None, None)
