@@ -1,0 +1,186 @@
+"""Live-mode benchmark: target and drafter sharing one GPU, against each half alone and against
+offline (extract once, then train), all measured in one process.
+
+Qwen3-8B-shaped target (random bf16 weights, cut after layer 33) and Qwen3-8B-shaped drafter (as in
+bench/train.py) on one GPU; synthetic rows of 1024-4096 tokens. Measured, over the same planned
+batches:
+
+  * target only: the live source producing batches with nothing consuming them but a stream wait;
+  * drafter only: optimiser steps on those batches already resident on the GPU;
+  * live: the trainer fed by the live source (both halves on the GPU, own streams);
+  * offline: extraction of the whole dataset to an `fp8` cache (timed), then training from it.
+
+Then epoch times for 1 and 3 epochs: live = epochs x tokens / live rate; offline = extraction time
++ epochs x tokens / cache-fed rate (rates from the timed steps, extraction timed in full).
+`--small` shrinks everything so the script can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
+from bench.train import LAYER_IDS, shapes, sync, timed_steps  # noqa: E402
+from dflash_cache.profiler import StageProfiler  # noqa: E402
+from dflash_cache.reader import CacheReader  # noqa: E402
+from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
+from extract.dataset import from_table  # noqa: E402
+from extract.pipeline import RankExtractor  # noqa: E402
+from extract.planning import DEFAULT_BUCKETS, PlanConfig, make_plan  # noqa: E402
+from extract.target import HiddenStateCapture, decoder_of  # noqa: E402
+from train.cache_source import CacheSource  # noqa: E402
+from train.config import DrafterConfig  # noqa: E402
+from train.drafter import FrozenTargetHead  # noqa: E402
+from train.epochs import Position  # noqa: E402
+from train.live_source import LiveSource, live_sample_table  # noqa: E402
+from train.sources import source_config  # noqa: E402
+from train.trainer import TrainConfig, Trainer  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=400_000, help="dataset size")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per measurement")
+    ap.add_argument("--token-budget", type=int, default=12288)
+    ap.add_argument("--out", default="/tmp/dflash-bench-live")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s = shapes(args.small)
+    tcfg = qwen3_8b_config(args.small)
+    layer_ids = list(LAYER_IDS) if not args.small else [1, 3, 5, 7, 9]
+    target = build_model(tcfg, device)
+    decoder = decoder_of(target)
+    decoder.layers = decoder.layers[: layer_ids[-1] + 1]
+    capture = HiddenStateCapture(target, layer_ids)
+
+    table_rows = synthetic_rows(args.tokens, tcfg.vocab_size)
+    data = from_table(table_rows, name="synthetic")
+    scan = data.scan(vocab_size=tcfg.vocab_size, max_len=None)
+    table = live_sample_table(scan, DEFAULT_BUCKETS)
+    tokens = int(table.lengths.sum())
+
+    block = 16 if not args.small else 8
+    cfg_kw = dict(target="synthetic", block_size=block, draft_layers=s["layers"], num_anchors=512 if not args.small else 16,
+                  token_budget=args.token_budget, max_steps=10**9, progress=False, prefetch=4, read_threads=4)
+    drafter_cfg = DrafterConfig(  # the drafter takes the target's sizes
+        hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_layers=s["layers"],
+        num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+        head_dim=tcfg.head_dim, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=40960, vocab_size=tcfg.vocab_size, block_size=block, mask_token_id=tcfg.vocab_size - 1,
+        target_layer_ids=tuple(layer_ids), layer_types=("full_attention",) * s["layers"], target_num_hidden_layers=36)
+    head = FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    out = Path(args.out)
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "tokens": tokens, "rates": {}}
+
+    def live_source(profiler: StageProfiler) -> LiveSource:
+        cfg = TrainConfig(cache="x", out=str(out / "live"), **cfg_kw)
+        return LiveSource(dataset=data, table=table, config=source_config(cfg), captures=[capture],
+                          target_devices=[device], device=device, max_len=None, overlong="truncate", queue_depth=60,
+                          profiler=profiler)
+
+    # target only
+    src = live_source(StageProfiler(None))
+    batches = src.iterate(Position(0, 0))
+    for _ in itertools.islice(batches, 2):  # warm-up
+        pass
+    sync(device)
+    t0, n = time.perf_counter(), 0
+    for _, b in itertools.islice(batches, args.steps):
+        n += b.num_tokens
+    sync(device)
+    results["rates"]["target_only"] = n / (time.perf_counter() - t0)
+    batches.close()
+
+    # drafter only, on batches resident on the GPU
+    resident = [b for _, b in itertools.islice(live_source(StageProfiler(None)).iterate(Position(0, 0)), args.steps)]
+    profiler = StageProfiler(10**9)
+    trainer = Trainer(TrainConfig(cache="x", out=str(out / "resident"), **cfg_kw), source=live_source(profiler),
+                      drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
+    timed_steps(trainer, iter(resident[:2]), 2, device)  # warm-up (FlexAttention compile)
+    sec, tok = timed_steps(trainer, iter(resident), args.steps, device)
+    results["rates"]["drafter_only"] = tok / sec
+    del resident
+
+    # live: the same trainer fed by the live source
+    live_batches = (b for _, b in trainer.source.iterate(Position(0, 0)))
+    timed_steps(trainer, live_batches, 2, device)
+    profiler.maybe_report(force=True)
+    sec, tok = timed_steps(trainer, live_batches, args.steps, device)
+    results["rates"]["live"] = tok / sec
+    results["live_profile"] = profiler.maybe_report(force=True)
+
+    # offline: extract everything (timed), then train from the cache
+    root = out / "cache"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / SEGMENTS_DIR).mkdir(parents=True)
+    (root / COMMITS_DIR).mkdir()
+    plan = make_plan(scan.lengths, scan.keep, PlanConfig())
+    capture.remove()
+    extractor = RankExtractor(root=root, dataset=data, model=target, layer_ids=layer_ids, codec="fp8", device=device,
+                              rank=0, writers=8, prefetch=4, unit_rows=PlanConfig().unit_rows, max_len=None,
+                              overlong="truncate", profiler=StageProfiler(None), progress=False)
+    extractor.prepare(list(plan.batches))
+    res = extractor.run(list(plan.batches))
+    extractor.capture.remove()
+    results["extract_seconds"] = res.seconds
+    results["rates"]["offline_train"] = _train_from_cache(root, plan, layer_ids, s, tcfg, cfg_kw, drafter_cfg, head,
+                                                          device, out, args.steps)
+    for epochs in (1, 3):
+        results[f"live_{epochs}ep_s"] = epochs * tokens / results["rates"]["live"]
+        results[f"offline_{epochs}ep_s"] = res.seconds + epochs * tokens / results["rates"]["offline_train"]
+
+    print("\n| measurement | tok/s |\n|---|---:|")
+    for name, rate in results["rates"].items():
+        print(f"| {name} | {rate:,.0f} |")
+    print(f"\nextract (fp8, whole dataset): {res.seconds:.1f}s for {tokens:,} tokens")
+    print("| epochs | live | offline (extract + train) |\n|---:|---:|---:|")
+    for epochs in (1, 3):
+        print(f"| {epochs} | {results[f'live_{epochs}ep_s']:.1f}s | {results[f'offline_{epochs}ep_s']:.1f}s |")
+    print(results["live_profile"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _train_from_cache(root, plan, layer_ids, s, tcfg, cfg_kw, drafter_cfg, head, device, out, steps) -> float:
+    """Cache-fed training rate on the cache just extracted (a manifest is written for the reader)."""
+    from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
+    from dflash_cache.reader import write_index
+    from dflash_cache.segments import read_records
+
+    write_manifest(root, Manifest(
+        target=TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
+                              num_hidden_layers=36, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size),
+        layer_ids=tuple(layer_ids), hidden_size=tcfg.hidden_size, codec="fp8", dataset_fingerprint="synthetic",
+        dataset_description="synthetic", plan=PlanParams(
+            unit_rows=plan.config.unit_rows, token_budget=plan.config.token_budget, max_rows=plan.config.max_rows,
+            bucket_bounds=tuple(plan.config.bucket_bounds), max_len=None, overlong="truncate", num_rows=plan.num_rows,
+            num_units=plan.num_units, num_segments=len(plan.batches), num_samples=plan.num_samples,
+            num_tokens=plan.num_tokens)))
+    write_index(root, read_records(root))
+    cfg = TrainConfig(cache=str(root), out=str(out / "offline"), **cfg_kw)
+    profiler = StageProfiler(None)
+    source = CacheSource(CacheReader(root), source_config(cfg), device=device, profiler=profiler)
+    trainer = Trainer(cfg, source=source, drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
+    batches = (b for _, b in source.iterate(Position(0, 0)))
+    timed_steps(trainer, batches, 2, device)
+    sec, tok = timed_steps(trainer, batches, steps, device)
+    return tok / sec
+
+
+if __name__ == "__main__":
+    main()
