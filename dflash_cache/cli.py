@@ -172,6 +172,57 @@ def train(cache, live, target, out, block_size, draft_layers, num_anchors, epoch
         click.echo(f"nothing to train: {out} is already at its last step; exported to {Path(out) / 'export'}")
 
 
+@cli.command(name="eval")
+@click.option("--target", required=True, help="The target the drafter was trained for (local directory or 'tiny').")
+@click.option("--drafter", required=True, type=click.Path(), help="A training run directory or its export/ directory.")
+@click.option("--data", required=True, help="Dataset whose rows' prompts (tokens before the first supervised one) are used.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--limit", default=8, show_default=True, help="Number of prompts.")
+@click.option("--block-size", type=int, default=None, help="Draft block size (at most the trained one).")
+@click.option("--dtype", default="float32", show_default=True, help="Target and drafter dtype.")
+@click.option("--device", default="auto", show_default=True)
+def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, device) -> None:
+    """Speculative decoding with an exported drafter: tau, its histogram, speed, and a lossless check."""
+    import dataclasses
+
+    import torch
+
+    from extract.target import TargetSpec, describe_target, load_target, parse_dtype
+    from train.drafter import FrozenTargetHead
+    from train.export import drafter_from_export
+    from train.speculative import evaluate, load_prompts
+
+    path = Path(drafter)
+    path = path / "export" if (path / "export" / "config.json").is_file() else path
+    if not (path / "config.json").is_file():
+        raise UserError(f"--drafter {drafter}: no exported drafter (config.json) there; pass a run or export directory")
+    cfg, model = drafter_from_export(path)
+    if block_size is not None:
+        if not 2 <= block_size <= cfg.block_size:
+            raise UserError(f"--block-size must be in 2..{cfg.block_size} (the trained block size)")
+        cfg = dataclasses.replace(cfg, block_size=block_size)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    desc = describe_target(TargetSpec(model=target, layers=tuple(cfg.target_layer_ids), dtype=dtype))
+    if desc.identity.vocab_size != cfg.vocab_size or desc.hidden_size != cfg.hidden_size:
+        raise UserError(f"the drafter was trained for a target with vocab {cfg.vocab_size} and hidden size "
+                        f"{cfg.hidden_size}; {target} has {desc.identity.vocab_size} and {desc.hidden_size}")
+    target_model = load_target(desc, dev, keep=desc.identity.num_hidden_layers)
+    head = FrozenTargetHead.from_target(target_model)
+    model = model.to(device=dev, dtype=parse_dtype(dtype)).eval()
+    prompts = load_prompts(data, limit)
+    if not prompts:
+        raise UserError(f"{data}: no row has a prompt (tokens before the first supervised one)")
+    r = evaluate(target_model, model, head, cfg, prompts, max_new_tokens)
+    click.echo(f"prompts {len(prompts)}, {max_new_tokens} new tokens each, block size {cfg.block_size}")
+    click.echo(f"tau (tokens per target forward): {r.tau:.3f}")
+    click.echo("accepted per step: " + "  ".join(f"{k}:{v}" for k, v in r.histogram.items()))
+    click.echo(f"target-only {r.target_tok_s:,.1f} tok/s, speculative {r.speculative_tok_s:,.1f} tok/s")
+    click.echo("lossless: output equals the target's greedy output" if r.lossless else
+               f"NOT LOSSLESS: prompts {r.mismatches} differ from greedy decoding")
+    if not r.lossless:
+        sys.exit(1)
+
+
 @cli.command()
 @click.argument("cache", type=click.Path())
 @click.option("--verify", "do_verify", is_flag=True, help="Decode every chunk and cross-check; exit 1 on problems.")

@@ -10,29 +10,14 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from dflash_cache.cli import cli
-from extract.config import ExtractConfig
-from extract.planning import PlanConfig
 from extract.run import extract
 from extract.target import TargetSpec
+from tests.train.conftest import demo_train_config
 from train.trainer import TrainConfig, Trainer, lr_factor
 
 
-@pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo") / "cache"
-    cfg = ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(root), codec="bf16",
-                        plan=PlanConfig(token_budget=4096, max_rows=16, unit_rows=64, bucket_bounds=(0, 128, 256)),
-                        writers=2, progress=False)
-    extract(cfg, "cpu", echo=lambda *_: None)
-    return root
-
-
 def _cfg(cache: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(cache=str(cache), target="tiny", out=str(out), block_size=8, draft_layers=2, num_anchors=16,
-                token_budget=2048, lr=3e-3, log_every=1, save_every=10_000, progress=False, prefetch=2,
-                read_threads=1)
-    base.update(kw)
-    return TrainConfig(**base)
+    return demo_train_config(cache, out, **kw)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -46,9 +31,8 @@ def test_lr_schedule():
     assert lr_factor(100, 100, 0.04) == pytest.approx(0.0)
 
 
-def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
-    out = tmp_path / "run"
-    Trainer.build(_cfg(demo_cache, out, max_steps=100, log_every=25), device=__import__("torch").device("cpu")).fit()
+def test_training_lowers_loss_and_learns_slot_one(trained_demo_run):
+    out = trained_demo_run
     rows = _rows(out)
     first, last = rows[0], rows[-1]
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])

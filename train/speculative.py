@@ -1,0 +1,157 @@
+"""Speculative decoding with an exported DFlash drafter, to measure real acceptance (tau).
+
+Greedy, one sequence at a time, the target's KV cache cropped on rejection:
+
+    prefill the prompt -> anchor = the target's next token
+    loop: the drafter proposes B-1 tokens after the anchor from the target's hidden states of every
+          position before it (the same context, positions and masks as in training);
+          the target verifies [anchor, drafts] in one forward; the longest matching prefix of drafts
+          is accepted plus the target's own next token (the bonus), which becomes the next anchor.
+
+Every emitted token is the target's own greedy choice, so the output must equal plain greedy
+decoding; `evaluate` checks it. tau is the mean number of tokens emitted per verify forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from train.anchors import IGNORE_INDEX, Blocks
+from train.config import DrafterConfig
+from train.drafter import DFlashDrafter, FrozenTargetHead
+from train.masks import build_masks
+
+log = logging.getLogger(__name__)
+
+
+def _cache_kw(model: nn.Module) -> str:
+    """Newer transformers name the KV-cache argument `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """[L, N*H] from HF hidden_states (layer k's output is hidden_states[k + 1]), batch row 0."""
+    return torch.cat([hidden_states[k + 1][0] for k in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with a KV cache: the reference speculative decoding must reproduce."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    kw = {_cache_kw(target): DynamicCache(), "use_cache": True}
+    out = target(input_ids=torch.tensor([prompt], device=device), **kw)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < max_new_tokens:
+        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), **kw)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def _one_block(anchor_pos: int, cfg: DrafterConfig, device: torch.device) -> Blocks:
+    """The Blocks description of a single block at `anchor_pos` (labels/weights unused here)."""
+    b = cfg.block_size
+    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    return Blocks(token_index=zeros, doc=zeros, anchor_pos=zeros + anchor_pos,
+                  input_ids=torch.zeros(1, b, dtype=torch.int64, device=device),
+                  position_ids=torch.arange(anchor_pos, anchor_pos + b, device=device)[None],
+                  labels=torch.full((1, b), IGNORE_INDEX, device=device), weights=torch.zeros(1, b, device=device),
+                  block_size=b)
+
+
+@torch.no_grad()
+def speculative_generate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, cfg: DrafterConfig,
+                         prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(tokens, accepted per verify step). Block size and layer ids come from the drafter's config."""
+    from transformers import DynamicCache
+
+    device = next(target.parameters()).device
+    layers, b = tuple(cfg.target_layer_ids), cfg.block_size
+    cache = DynamicCache()
+    kw = {_cache_kw(target): cache, "use_cache": True, "output_hidden_states": True}
+    out = target(input_ids=torch.tensor([prompt], device=device), **kw)
+    context = _features(out.hidden_states, layers)
+    anchor, pos = int(out.logits[0, -1].argmax()), len(prompt)
+    tokens, accepted = [anchor], []
+    while len(tokens) < max_new_tokens:
+        block_ids = torch.tensor([anchor] + [cfg.mask_token_id] * (b - 1), device=device)
+        blocks = _one_block(pos, cfg, device)
+        masks = build_masks(torch.zeros(pos, dtype=torch.int64, device=device), torch.arange(pos, device=device),
+                            blocks, layer_types=cfg.layer_types, sliding_window=cfg.sliding_window, backend="dense")
+        hidden = drafter(context, torch.arange(pos, device=device), head.embed(block_ids),
+                         blocks.position_ids[0], masks)
+        drafts = (hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.T).argmax(-1)
+        verify = torch.cat([block_ids[:1], drafts])[None]
+        out = target(input_ids=verify, **kw)
+        choice = out.logits[0].argmax(-1)  # choice[i]: the target's token after verify[i]
+        m = 0
+        while m < b - 1 and int(drafts[m]) == int(choice[m]):
+            m += 1
+        tokens += [int(t) for t in drafts[:m]] + [int(choice[m])]
+        accepted.append(m + 1)
+        context = torch.cat([context, _features(out.hidden_states, layers)[: m + 1]])
+        rejected = b - 1 - m
+        if rejected:  # a negative crop removes that many trailing tokens (accepted across versions)
+            cache.crop(-rejected)
+        anchor, pos = int(choice[m]), pos + m + 1
+    return tokens[:max_new_tokens], accepted
+
+
+@dataclass
+class EvalResult:
+    tau: float
+    histogram: dict[int, int]
+    target_tok_s: float
+    speculative_tok_s: float
+    lossless: bool
+    mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
+
+
+def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, cfg: DrafterConfig,
+             prompts: list[list[int]], max_new_tokens: int) -> EvalResult:
+    accepted: list[int] = []
+    mismatches = []
+    t_greedy = t_spec = 0.0
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        reference = greedy_generate(target, prompt, max_new_tokens)
+        t1 = time.perf_counter()
+        tokens, acc = speculative_generate(target, drafter, head, cfg, prompt, max_new_tokens)
+        t2 = time.perf_counter()
+        t_greedy, t_spec = t_greedy + t1 - t0, t_spec + t2 - t1
+        accepted += acc
+        if tokens != reference:
+            mismatches.append(i)
+            log.warning("prompt %d: speculative output differs from greedy at token %d", i,
+                        next(j for j, (a, r) in enumerate(zip(tokens, reference, strict=True)) if a != r))
+    n = len(prompts) * max_new_tokens
+    counts = np.bincount(accepted, minlength=cfg.block_size + 1)
+    return EvalResult(
+        tau=float(np.mean(accepted)) if accepted else 0.0,
+        histogram={k: int(counts[k]) for k in range(1, cfg.block_size + 1)},
+        target_tok_s=n / t_greedy if t_greedy else 0.0,
+        speculative_tok_s=n / t_spec if t_spec else 0.0,
+        lossless=not mismatches,
+        mismatches=mismatches,
+    )
+
+
+def load_prompts(data: str, limit: int) -> list[list[int]]:
+    """The first `limit` rows' prompts: each row's tokens before its first supervised one."""
+    from extract.prepare import open_data
+
+    dataset = open_data(data, None)
+    prompts = []
+    for row in dataset.read_rows(0, min(limit, dataset.num_rows), max_len=None):
+        first = int(np.argmax(row.loss_mask)) if row.loss_mask.any() else len(row.input_ids)
+        if first > 0:
+            prompts.append(row.input_ids[:first].astype(np.int64).tolist())
+    return prompts
