@@ -5,31 +5,18 @@ the drafter's own tensors (the target supplies embedding and LM head at inferenc
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from dflash_cache.jsonio import write_bytes_atomic, write_json_atomic
 from train.config import DrafterConfig
 from train.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 EXPORT_DTYPE = torch.bfloat16
-
-
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path) then rename over `path`, so readers never see a partial file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def export_config(cfg: DrafterConfig) -> dict:
@@ -87,9 +74,8 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) ->
                          f"unexpected {sorted(set(got) - set(expected))}, shapes differ for "
                          f"{sorted(k for k in set(got) & set(expected) if got[k] != expected[k])}")
     config = export_config(cfg)
-    _atomic_write(out_dir / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    _atomic_write(out_dir / CONFIG_NAME,
-                  lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
+    write_bytes_atomic(out_dir / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+    write_json_atomic(out_dir / CONFIG_NAME, config)
 
 
 def load_exported(out_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
