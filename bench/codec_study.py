@@ -1,0 +1,97 @@
+"""Codec study: drafters trained on the same data from `none`, `bf16` and `fp8` caches.
+
+For each codec: extract the demo data with the tiny target (same plan), measure bytes/token and
+the features' relative error against the `none` cache, train a drafter with the same seed and
+settings, and measure real acceptance with speculative decoding. Prints one table. Runs on a CPU
+(a few minutes); pass --target/--data for a real target on a GPU.
+
+    python bench/codec_study.py [--steps 200] [--prompts 8] [--out /tmp/dflash-codec-study]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_cache.inspect import summarize  # noqa: E402
+from dflash_cache.reader import CacheReader  # noqa: E402
+from extract.config import ExtractConfig  # noqa: E402
+from extract.planning import PlanConfig  # noqa: E402
+from extract.run import extract  # noqa: E402
+from extract.target import TargetSpec, describe_target, load_target  # noqa: E402
+from train.drafter import FrozenTargetHead  # noqa: E402
+from train.export import drafter_from_export  # noqa: E402
+from train.speculative import evaluate, load_prompts  # noqa: E402
+from train.trainer import TrainConfig, Trainer  # noqa: E402
+
+
+def relative_error(reader: CacheReader, reference: CacheReader) -> float:
+    """||x_hat - x|| / ||x|| over every sample's features."""
+    num = den = 0.0
+    for sid in reference.index.column("sample_id").to_pylist():
+        x = reference.sample(sid).features.float()
+        num += float((reader.sample(sid).features.float() - x).pow(2).sum())
+        den += float(x.pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="tiny")
+    ap.add_argument("--data", default="demo")
+    ap.add_argument("--codecs", default="none,bf16,fp8")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", default="/tmp/dflash-codec-study")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    desc = describe_target(TargetSpec(model=args.target, dtype="float32"))
+    target = load_target(desc, device, keep=desc.identity.num_hidden_layers)
+    head = FrozenTargetHead.from_target(target)
+    prompts = load_prompts(args.data, args.prompts)
+    rows, reference = [], None
+    for codec in args.codecs.split(","):
+        cache = out / f"cache-{codec}"
+        extract(ExtractConfig(target=TargetSpec(model=args.target), data=args.data, out=str(cache), codec=codec,
+                              plan=PlanConfig(token_budget=4096, max_rows=16, unit_rows=64), progress=False),
+                "cpu" if device.type == "cpu" else "0", echo=lambda *_: None)
+        reader = CacheReader(cache)
+        reference = reference or reader
+        summary = summarize(reader)
+        run = out / f"run-{codec}"
+        cfg = TrainConfig(cache=str(cache), target=args.target, out=str(run), block_size=8, draft_layers=2,
+                          num_anchors=16, token_budget=2048, lr=3e-3, max_steps=args.steps, log_every=25,
+                          progress=False)
+        last = Trainer.build(cfg, device=device).fit()
+        dcfg, drafter = drafter_from_export(run / "export")
+        r = evaluate(target, drafter.to(device=device, dtype=torch.float32), head, dcfg, prompts, args.max_new_tokens)
+        rows.append({"codec": codec, "bytes_per_token": summary["bytes_per_token"],
+                     "relative_error": relative_error(reader, reference), "final_loss": last["loss"],
+                     "slot_acc": last["slot_acc"][:3], "tau_hat": last["tau_hat"], "tau": r.tau,
+                     "lossless": r.lossless})
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| codec | bytes/token | rel. feature error | final loss | acc slots 1-3 | tau_hat | tau |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    for r in rows:
+        acc = " / ".join(f"{a:.3f}" for a in r["slot_acc"])
+        print(f"| `{r['codec']}` | {r['bytes_per_token']:,.0f} | {r['relative_error']:.4f} | {r['final_loss']:.3f} | "
+              f"{acc} | {r['tau_hat']:.3f} | {r['tau']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
