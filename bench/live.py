@@ -30,8 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import bench_drafter_config, commit_synthetic_manifest  # noqa: E402
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
 from bench.train import LAYER_IDS, shapes, sync, timed_steps  # noqa: E402
+from dflash_cache.manifest import PlanParams  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.reader import CacheReader  # noqa: E402
 from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
@@ -40,7 +42,6 @@ from extract.pipeline import RankExtractor  # noqa: E402
 from extract.planning import DEFAULT_BUCKETS, PlanConfig, make_plan  # noqa: E402
 from extract.target import HiddenStateCapture, decoder_of  # noqa: E402
 from train.cache_source import CacheSource  # noqa: E402
-from train.config import DrafterConfig  # noqa: E402
 from train.drafter import FrozenTargetHead  # noqa: E402
 from train.epochs import Position  # noqa: E402
 from train.live_source import LiveSource, live_sample_table  # noqa: E402
@@ -76,12 +77,10 @@ def main() -> None:
     block = 16 if not args.small else 8
     cfg_kw = dict(target="synthetic", block_size=block, draft_layers=s["layers"], num_anchors=512 if not args.small else 16,
                   token_budget=args.token_budget, max_steps=10**9, progress=False, prefetch=4, read_threads=4)
-    drafter_cfg = DrafterConfig(  # the drafter takes the target's sizes
-        hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_layers=s["layers"],
-        num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-        head_dim=tcfg.head_dim, rms_norm_eps=1e-6, rope_theta=1e6,
-        max_position_embeddings=40960, vocab_size=tcfg.vocab_size, block_size=block, mask_token_id=tcfg.vocab_size - 1,
-        target_layer_ids=tuple(layer_ids), layer_types=("full_attention",) * s["layers"], target_num_hidden_layers=36)
+    drafter_cfg = bench_drafter_config(  # the drafter takes the target's sizes
+        hidden=tcfg.hidden_size, inter=tcfg.intermediate_size, heads=tcfg.num_attention_heads,
+        kv=tcfg.num_key_value_heads, head_dim=tcfg.head_dim, vocab=tcfg.vocab_size, layers=s["layers"], block=block,
+        layer_ids=tuple(layer_ids))
     head = FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     out = Path(args.out)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -138,7 +137,7 @@ def main() -> None:
     res = extractor.run(list(plan.batches))
     extractor.capture.remove()
     results["extract_seconds"] = res.seconds
-    results["rates"]["offline_train"] = _train_from_cache(root, plan, layer_ids, s, tcfg, cfg_kw, drafter_cfg, head,
+    results["rates"]["offline_train"] = _train_from_cache(root, plan, layer_ids, tcfg, cfg_kw, drafter_cfg, head,
                                                           device, out, args.steps)
     for epochs in (1, 3):
         results[f"live_{epochs}ep_s"] = epochs * tokens / results["rates"]["live"]
@@ -156,22 +155,14 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def _train_from_cache(root, plan, layer_ids, s, tcfg, cfg_kw, drafter_cfg, head, device, out, steps) -> float:
+def _train_from_cache(root, plan, layer_ids, tcfg, cfg_kw, drafter_cfg, head, device, out, steps) -> float:
     """Cache-fed training rate on the cache just extracted (a manifest is written for the reader)."""
-    from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
-    from dflash_cache.reader import write_index
-    from dflash_cache.segments import read_records
-
-    write_manifest(root, Manifest(
-        target=TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
-                              num_hidden_layers=36, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size),
-        layer_ids=tuple(layer_ids), hidden_size=tcfg.hidden_size, codec="fp8", dataset_fingerprint="synthetic",
-        dataset_description="synthetic", plan=PlanParams(
-            unit_rows=plan.config.unit_rows, token_budget=plan.config.token_budget, max_rows=plan.config.max_rows,
-            bucket_bounds=tuple(plan.config.bucket_bounds), max_len=None, overlong="truncate", num_rows=plan.num_rows,
-            num_units=plan.num_units, num_segments=len(plan.batches), num_samples=plan.num_samples,
-            num_tokens=plan.num_tokens)))
-    write_index(root, read_records(root))
+    c = plan.config
+    commit_synthetic_manifest(root, codec="fp8", layer_ids=tuple(layer_ids), hidden=tcfg.hidden_size,
+                              vocab=tcfg.vocab_size, plan=PlanParams(
+        unit_rows=c.unit_rows, token_budget=c.token_budget, max_rows=c.max_rows, bucket_bounds=tuple(c.bucket_bounds),
+        max_len=None, overlong="truncate", num_rows=plan.num_rows, num_units=plan.num_units,
+        num_segments=len(plan.batches), num_samples=plan.num_samples, num_tokens=plan.num_tokens))
     cfg = TrainConfig(cache=str(root), out=str(out / "offline"), **cfg_kw)
     profiler = StageProfiler(None)
     source = CacheSource(CacheReader(root), source_config(cfg), device=device, profiler=profiler)

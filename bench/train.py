@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import bench_drafter_config, commit_synthetic_manifest  # noqa: E402
 from dflash_cache.codecs import get_codec  # noqa: E402
-from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest  # noqa: E402
+from dflash_cache.manifest import PlanParams  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.reader import CacheReader, write_index  # noqa: E402
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records, write_segment  # noqa: E402
+from dflash_cache.reader import CacheReader  # noqa: E402
+from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, write_segment  # noqa: E402
 from train.cache_source import CacheSource  # noqa: E402
-from train.config import DrafterConfig  # noqa: E402
 from train.drafter import FrozenTargetHead  # noqa: E402
 from train.epochs import Position  # noqa: E402
 from train.sources import source_config  # noqa: E402
@@ -78,15 +78,10 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
         write_segment(root, unit=0, batch=s, bucket=0, rank=0, feature_arrays=arrays, feature_specs=specs,
                       input_ids=rng.integers(0, vocab, size=t).astype(np.int32), loss_mask=mask,
                       lengths=np.full(n, seq), sample_ids=np.arange(s * per_segment, s * per_segment + n))
-    target = TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
-                            num_hidden_layers=36, hidden_size=hidden, vocab_size=vocab)
-    write_manifest(root, Manifest(
-        target=target, layer_ids=LAYER_IDS, hidden_size=hidden, codec=codec, dataset_fingerprint="synthetic",
-        dataset_description="synthetic", plan=PlanParams(
-            unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
-            overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,
-            num_tokens=n_seq * seq)))
-    write_index(root, read_records(root))
+    commit_synthetic_manifest(root, codec=codec, layer_ids=LAYER_IDS, hidden=hidden, vocab=vocab, plan=PlanParams(
+        unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
+        overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,
+        num_tokens=n_seq * seq))
 
 
 def drop_page_cache() -> bool:
@@ -134,12 +129,9 @@ def main() -> None:
     cfg_kw = dict(target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
                   num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
                   progress=False, profile_interval=10**9, prefetch=4, read_threads=4)
-    drafter_cfg = DrafterConfig(
-        hidden_size=s["hidden"], intermediate_size=s["inter"], num_layers=s["layers"],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv"], head_dim=s["head_dim"], rms_norm_eps=1e-6,
-        rope_theta=1e6, max_position_embeddings=40960, vocab_size=s["vocab"], block_size=cfg_kw["block_size"],
-        mask_token_id=s["vocab"] - 1, target_layer_ids=LAYER_IDS, layer_types=("full_attention",) * s["layers"],
-        target_num_hidden_layers=36)
+    drafter_cfg = bench_drafter_config(hidden=s["hidden"], inter=s["inter"], heads=s["heads"], kv=s["kv"],
+                                       head_dim=s["head_dim"], vocab=s["vocab"], layers=s["layers"],
+                                       block=cfg_kw["block_size"], layer_ids=LAYER_IDS)
     g = torch.Generator().manual_seed(0)
     head = FrozenTargetHead(torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02,
                             torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02)

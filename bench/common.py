@@ -1,0 +1,30 @@
+"""Pieces the GPU benchmarks share: a Qwen3-shaped drafter config and the manifest of a synthetic cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
+from dflash_cache.reader import write_index
+from dflash_cache.segments import read_records
+from train.config import DrafterConfig
+
+
+def bench_drafter_config(*, hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int, layers: int,
+                         block: int, layer_ids: tuple[int, ...]) -> DrafterConfig:
+    """All-full-attention drafter of a 36-layer Qwen3-like target (rope theta 1e6, mask id vocab - 1)."""
+    return DrafterConfig(
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        vocab_size=vocab, block_size=block, mask_token_id=vocab - 1, target_layer_ids=tuple(layer_ids),
+        layer_types=("full_attention",) * layers, target_num_hidden_layers=36)
+
+
+def commit_synthetic_manifest(root: Path, *, codec: str, layer_ids: tuple[int, ...], hidden: int, vocab: int,
+                              plan: PlanParams) -> None:
+    """Manifest and index for a cache whose segments a benchmark wrote itself (synthetic target)."""
+    target = TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
+                            num_hidden_layers=36, hidden_size=hidden, vocab_size=vocab)
+    write_manifest(root, Manifest(target=target, layer_ids=tuple(layer_ids), hidden_size=hidden, codec=codec,
+                                  dataset_fingerprint="synthetic", dataset_description="synthetic", plan=plan))
+    write_index(root, read_records(root))
