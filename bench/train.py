@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import bench_drafter_config, commit_synthetic_manifest  # noqa: E402
-from dflash_cache.codecs import get_codec  # noqa: E402
+from dflash_cache.codecs import get_codec, to_stored_numpy  # noqa: E402
 from dflash_cache.manifest import PlanParams  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.reader import CacheReader  # noqa: E402
@@ -68,10 +68,7 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
         n = min(per_segment, n_seq - s * per_segment)
         t = n * seq
         feats = torch.randn(t, len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
-        arrays = {}
-        for k, v in c.encode(feats, len(LAYER_IDS)).items():
-            a = v.cpu().numpy()
-            arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        arrays = to_stored_numpy({k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()})
         mask = np.ones(t, np.uint8)
         for i in range(n):
             mask[i * seq : i * seq + seq // 10] = 0

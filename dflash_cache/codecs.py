@@ -103,6 +103,16 @@ def get_codec(name: str) -> FeatureCodec:
         raise UserError(f"unknown codec {name!r}; choose one of: {', '.join(CODECS)}") from None
 
 
+def to_stored_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Host tensors from `FeatureCodec.encode` as numpy arrays of the stored dtypes (int16 bits
+    become uint16), without copying: what the segment writer takes."""
+    out = {}
+    for key, t in tensors.items():
+        a = t.numpy()
+        out[key] = a.view(np.uint16) if a.dtype == np.int16 else a
+    return out
+
+
 def numpy_to_torch(name: str, array: np.ndarray) -> torch.Tensor:
     """Wrap a stored numpy array as a torch tensor without copying (uint16 becomes int16 bits)."""
     if array.dtype == np.uint16:

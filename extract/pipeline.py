@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_cache.codecs import ArraySpec, get_codec
+from dflash_cache.codecs import ArraySpec, get_codec, to_stored_numpy
 from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.segments import SegmentRecord, write_segment
@@ -285,10 +285,7 @@ class RankExtractor:
             self._slots.release(slot)
 
     def _write_segment(self, host: HostBatch, arrays: dict[str, torch.Tensor]) -> SegmentRecord:
-        feature_arrays = {}
-        for k, t in arrays.items():
-            a = t.numpy()
-            feature_arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        feature_arrays = to_stored_numpy(arrays)
         p = host.planned
         with self.profiler.span("writer.compress_write_commit"):
             return write_segment(

@@ -10,6 +10,7 @@ run skips the segments already committed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.codecs import get_codec
+from dflash_cache.codecs import get_codec, to_stored_numpy
 from dflash_cache.lock import CacheLock
 from dflash_cache.segments import segment_name, write_segment
 from extract.config import ExtractConfig
@@ -86,17 +87,11 @@ class CacheTee:
 
     def _write(self, g: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
         features = batch.features
-        if features.is_cuda:
-            with torch.cuda.stream(self._stream):
-                if ready is not None:
-                    self._stream.wait_event(ready)
-                encoded = {k: v.cpu() for k, v in self.codec.encode(features, self.n_layers).items()}
-        else:
-            encoded = self.codec.encode(features, self.n_layers)
-        arrays = {}
-        for k, v in encoded.items():
-            a = v.numpy()
-            arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+        with torch.cuda.stream(self._stream) if features.is_cuda else contextlib.nullcontext():
+            if ready is not None:
+                self._stream.wait_event(ready)
+            encoded = {k: v.cpu() for k, v in self.codec.encode(features, self.n_layers).items()}
+        arrays = to_stored_numpy(encoded)
         cu = batch.cu_seqlens.cpu().numpy()
         write_segment(self.root, unit=0, batch=g, bucket=self.plan.batches[g].bucket, rank=self.rank, feature_arrays=arrays,
                       feature_specs=self.specs, input_ids=batch.input_ids.cpu().numpy().astype(np.int32),

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.codecs import get_codec
+from dflash_cache.codecs import get_codec, to_stored_numpy
 from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
 from dflash_cache.segments import COMMITS_DIR, SegmentRecord, write_segment
 
@@ -52,11 +52,7 @@ def write_synthetic_segment(root: Path, manifest: Manifest, *, unit: int = 0, ba
     rng = np.random.default_rng(seed)
     if features is None:
         features = bf16_features(t, manifest.feature_width, seed)
-    encoded = codec.encode(features, manifest.n_layers)
-    arrays = {}
-    for k, v in encoded.items():
-        a = v.numpy()
-        arrays[k] = a.view(np.uint16) if a.dtype == np.int16 else a
+    arrays = to_stored_numpy(codec.encode(features, manifest.n_layers))
     input_ids = rng.integers(0, VOCAB, size=t).astype(np.int32)
     loss_mask = (rng.random(t) < 0.6).astype(np.uint8)
     sample_ids = np.arange(first_id, first_id + len(lengths), dtype=np.int64)
