@@ -113,6 +113,9 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
 @click.option("--block-size", default=16, show_default=True)
 @click.option("--draft-layers", default=5, show_default=True)
 @click.option("--num-anchors", default=512, show_default=True, help="Anchors sampled per sequence at most.")
+@click.option("--max-anchors", type=int, default=None,
+              help="Anchors per packed batch at most (default: no cap). Drafter memory grows with anchors x "
+                   "block size, and a batch of many short samples can hold far more anchors than one of long ones.")
 @click.option("--epochs", default=6, show_default=True)
 @click.option("--max-steps", type=int, default=None, help="Stop after this many optimiser steps.")
 @click.option("--lr", default=6e-4, show_default=True)
@@ -140,7 +143,7 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
 @click.option("--profile-interval", type=float, default=None,
               help="Seconds between stage-timing reports (or DFLASH_PROFILE_INTERVAL).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def train(cache, live, target, out, block_size, draft_layers, num_anchors, epochs, max_steps, lr, token_budget,
+def train(cache, live, target, out, block_size, draft_layers, num_anchors, max_anchors, epochs, max_steps, lr, token_budget,
           sliding_window, seed, save_every, log_every, resume, device, data, limit, max_len, num_target_layers,
           layers, target_gpus, queue_depth, target_token_budget, target_max_rows, write_cache, write_codec, profile_interval,
           no_progress) -> None:
@@ -157,7 +160,7 @@ def train(cache, live, target, out, block_size, draft_layers, num_anchors, epoch
                               forward_token_budget=target_token_budget, forward_max_rows=target_max_rows,
                               write_cache=write_cache, write_codec=write_codec)
     cfg = TrainConfig(cache=cache, live=live_cfg, target=target, out=out, block_size=block_size,
-                      draft_layers=draft_layers, num_anchors=num_anchors, epochs=epochs, max_steps=max_steps, lr=lr,
+                      draft_layers=draft_layers, num_anchors=num_anchors, max_anchors=max_anchors, epochs=epochs, max_steps=max_steps, lr=lr,
                       token_budget=token_budget, sliding_window=sliding_window, seed=seed, save_every=save_every,
                       log_every=log_every, resume=resume, profile_interval=profile_interval, progress=not no_progress)
     try:

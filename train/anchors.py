@@ -13,18 +13,23 @@ Candidate anchors, per document of length ``L``:
 
 Up to ``num_anchors`` candidates are drawn per document uniformly without replacement (one
 ``torch.randperm`` over all candidates of the batch as random keys; the first ``num_anchors`` of
-each document in key order are kept), and the kept anchors are returned sorted by flat token
-index, i.e. by (document, position). Random numbers are drawn on the generator's device and moved
+each document in key order are kept); with ``max_anchors``, a uniform random subset of that size
+is kept when there are more (one more ``randperm``, drawn only then). The kept anchors are
+returned sorted by flat token index, i.e. by (document, position). Random numbers are drawn on the generator's device and moved
 to the batch's device, so a CPU generator gives identical anchors on CPU and CUDA.
+
+When the batch carries its host layout (the sources attach one), all of this runs on the host and
+only the finished blocks are copied to the device, asynchronously: the step never waits for the
+GPU to report how many candidates there are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from train.batch import PackedBatch
+from train.batch import PackedBatch, positions_from_cu_seqlens
 
 IGNORE_INDEX = -100
 DEFAULT_NUM_ANCHORS = 512
@@ -52,9 +57,20 @@ class Blocks:
     def num_anchors(self) -> int:
         return int(self.token_index.shape[0])
 
+    def to(self, device: torch.device) -> Blocks:
+        """Copied to `device` from pinned memory without blocking the host (a no-op on the CPU)."""
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.pin_memory().to(device, non_blocking=True)
+        return Blocks(**moved)
+
 
 def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DEFAULT_NUM_ANCHORS,
-                   mask_token_id: int, generator: torch.Generator, gamma: float | None = None) -> Blocks:
+                   mask_token_id: int, generator: torch.Generator, gamma: float | None = None,
+                   max_anchors: int | None = None) -> Blocks:
     """Sample up to ``num_anchors`` anchors per document and build their blocks (see module doc)."""
     B = int(block_size)
     if B < 2:
@@ -63,16 +79,33 @@ def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DE
         raise ValueError(f"num_anchors must be >= 0, got {num_anchors}")
     if gamma is None:
         gamma = default_gamma(B)
-
     device = batch.input_ids.device
-    T = batch.num_tokens
-    n_docs = int(batch.cu_seqlens.shape[0]) - 1
-    cu = batch.cu_seqlens.to(device=device, dtype=torch.int64)
-    lm = batch.loss_mask.to(device=device, dtype=torch.bool)
-    pos = batch.position_ids.to(device=device, dtype=torch.int64)
-    doc = batch.doc_ids().to(device)
+    if batch.host is not None:
+        h = batch.host
+        T = int(h.input_ids.shape[0])
+        cu = h.cu_seqlens.to(torch.int64)
+        blocks = _sample(h.input_ids, h.loss_mask, positions_from_cu_seqlens(cu, T), cu, B=B,
+                         num_anchors=num_anchors, mask_token_id=mask_token_id, generator=generator, gamma=gamma,
+                         max_anchors=max_anchors)
+        return blocks.to(device)
+    return _sample(batch.input_ids, batch.loss_mask, batch.position_ids, batch.cu_seqlens, B=B,
+                   num_anchors=num_anchors, mask_token_id=mask_token_id, generator=generator, gamma=gamma,
+                         max_anchors=max_anchors)
 
-    doc_len = cu[1:] - cu[:-1]                                                     # [N]
+
+def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+            *, B: int, num_anchors: int, mask_token_id: int, generator: torch.Generator, gamma: float,
+            max_anchors: int | None) -> Blocks:
+    """sample_anchors on the tensors' own device."""
+    device = ids.device
+    T = int(ids.shape[0])
+    n_docs = int(cu_seqlens.shape[0]) - 1
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lm = loss_mask.to(device=device, dtype=torch.bool)
+    pos = position_ids.to(device=device, dtype=torch.int64)
+    doc_len = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(n_docs, device=device), doc_len, output_size=T)
+
     n_sup = torch.zeros(n_docs, dtype=torch.int64, device=device).index_add_(0, doc, lm.long())
     lm_next = torch.cat([lm[1:], lm.new_zeros(1)]) if T > 0 else lm
     # p + B <= L implies p + 1 < L, so lm_next never reads across a document boundary here.
@@ -92,6 +125,9 @@ def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DE
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(C, device=device) - starts[doc_sorted]
     kept = order[rank < num_anchors]
+    if max_anchors is not None and kept.shape[0] > max_anchors:
+        pick = torch.randperm(int(kept.shape[0]), generator=generator, device=generator.device)[:max_anchors]
+        kept = kept[pick.to(device)]
     token_index = cand_idx[torch.sort(kept).values]                                # sorted by (doc, pos)
 
     A = int(token_index.shape[0])
@@ -101,9 +137,9 @@ def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DE
     anchor_doc = doc[token_index]
 
     input_ids = torch.full((A, B), int(mask_token_id), dtype=torch.int64, device=device)
-    input_ids[:, 0] = batch.input_ids[token_index].to(torch.int64)
+    input_ids[:, 0] = ids[token_index].to(torch.int64)
     position_ids = anchor_pos[:, None] + offs[None, :]
-    labels = batch.input_ids[idx].to(torch.int64)
+    labels = ids[idx].to(torch.int64)
     labels[:, 0] = IGNORE_INDEX
     decay = torch.exp(-(offs.to(torch.float32) - 1.0) / float(gamma))
     decay[0] = 0.0

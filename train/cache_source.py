@@ -3,8 +3,9 @@
 Batches are planned from the cache index alone (`train.epochs`), no feature data.
 
 Reading runs in background threads `prefetch` batches ahead (zarr decompression releases the
-GIL); host arrays are pinned and copied to the device on a side stream, where fp8 is dequantised
-(Triton on CUDA). The consumer's stream waits on an event, never the host.
+GIL); each batch is assembled there straight into pinned memory, then copied to the device on a
+side stream, where fp8 is dequantised (Triton on CUDA). The consumer's stream waits on an event,
+never the host.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dflash_cache.errors import UserError
 from dflash_cache.manifest import Manifest
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.reader import CacheReader
-from train.batch import PackedBatch, positions_from_cu_seqlens
+from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
 from train.epochs import Position, SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)
@@ -55,24 +56,34 @@ class CacheSource:
         return len(self.epoch_batches(0))
 
     def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
-        """From `start` on, epoch after epoch (forever if `epochs` is None)."""
-        epoch, first = start.epoch, start.batch
+        """From `start` on, epoch after epoch (forever if `epochs` is None). Reads run `prefetch`
+        batches ahead across epoch boundaries too, so a new epoch starts without a bubble."""
+        planned = self._planned(start, epochs)
+        pending: deque[tuple[int, int, Future]] = deque()
         with ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="dflash-cache-read") as pool:
-            while epochs is None or epoch < epochs:
-                plan = self.epoch_batches(epoch)
-                pending: deque[tuple[int, Future]] = deque()
-                nxt = first
-                while nxt < len(plan) or pending:
-                    while nxt < len(plan) and len(pending) < self.config.prefetch:
-                        pending.append((nxt, pool.submit(self._read_host, plan[nxt])))
-                        nxt += 1
-                    i, fut = pending.popleft()
-                    host = fut.result()
-                    yield Position(epoch, i + 1), self._to_device(host)
-                epoch, first = epoch + 1, 0
+            def refill() -> None:
+                while len(pending) < self.config.prefetch and (item := next(planned, None)) is not None:
+                    epoch, i, rows = item
+                    pending.append((epoch, i, pool.submit(self._read_host, rows)))
 
-    def _read_host(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Read and concatenate one batch's samples (stored dtypes) on a reader thread."""
+            refill()
+            while pending:
+                epoch, i, fut = pending.popleft()
+                refill()
+                yield Position(epoch, i + 1), self._to_device(fut.result())
+
+    def _planned(self, start: Position, epochs: int | None) -> Iterator[tuple[int, int, np.ndarray]]:
+        epoch, first = start.epoch, start.batch
+        while epochs is None or epoch < epochs:
+            plan = self.epoch_batches(epoch)
+            if not plan:  # every epoch plans the same number of batches: none ever
+                return
+            for i in range(first, len(plan)):
+                yield epoch, i, plan[i]
+            epoch, first = epoch + 1, 0
+
+    def _read_host(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Read one batch's samples (stored dtypes) and lay them end to end, on a reader thread."""
         with self.profiler.span("cache.read"):
             parts: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", *self._feature_keys)}
             for r in rows:
@@ -80,16 +91,17 @@ class CacheSource:
                 hi = lo + int(self.table.lengths[r])
                 for key in parts:
                     parts[key].append(self.reader.read_array(name, key, lo, hi))
-            host = {k: np.concatenate(v) for k, v in parts.items()}
+            host = {k: concatenate(k, v, pin=self.cuda) for k, v in parts.items()}
         lengths = self.table.lengths[rows]
-        host["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        host["sample_ids"] = self.table.sample_ids[rows]
+        host["cu_seqlens"] = concatenate("cu_seqlens", [np.zeros(1, np.int64), np.cumsum(lengths, dtype=np.int64)],
+                                         pin=self.cuda)
+        host["sample_ids"] = concatenate("sample_ids", [self.table.sample_ids[rows].astype(np.int64)], pin=self.cuda)
         return host
 
-    def _to_device(self, host: dict[str, np.ndarray]) -> PackedBatch:
-        tensors = {k: numpy_to_torch(k, v) for k, v in host.items()}
+    def _to_device(self, tensors: dict[str, torch.Tensor]) -> PackedBatch:
+        layout = HostLayout(input_ids=tensors["input_ids"], loss_mask=tensors["loss_mask"],
+                            cu_seqlens=tensors["cu_seqlens"])
         if self.cuda:
-            tensors = {k: t.pin_memory() for k, t in tensors.items()}
             stream = self._copy_stream
             with torch.cuda.stream(stream), self.profiler.device_span("loader.h2d", stream):
                 dev = {k: t.to(self.device, non_blocking=True) for k, t in tensors.items()}
@@ -105,7 +117,7 @@ class CacheSource:
             with self.profiler.span("cache.decode"):
                 features = self.reader.codec.decode({k: dev[k] for k in self._feature_keys}, self.reader.manifest.n_layers)
         cu = dev["cu_seqlens"]
-        total = int(host["cu_seqlens"][-1])
+        total = int(layout.input_ids.shape[0])
         return PackedBatch(
             input_ids=dev["input_ids"].long(),
             loss_mask=dev["loss_mask"].bool(),
@@ -113,7 +125,17 @@ class CacheSource:
             cu_seqlens=cu,
             sample_ids=dev["sample_ids"],
             features=features,
+            host=layout,
         )
+
+
+def concatenate(name: str, arrays: list[np.ndarray], *, pin: bool) -> torch.Tensor:
+    """The arrays end to end in one tensor, written straight into pinned memory when `pin`: one copy
+    on the reader thread instead of a second one by `pin_memory()` on the training thread."""
+    like = numpy_to_torch(name, arrays[0][:0])
+    out = torch.empty((sum(a.shape[0] for a in arrays), *like.shape[1:]), dtype=like.dtype, pin_memory=pin)
+    np.concatenate(arrays, out=out.numpy().view(arrays[0].dtype))
+    return out
 
 
 def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],

@@ -32,7 +32,7 @@ from extract.dataset import DatasetScan, TokenizedDataset
 from extract.pipeline import layout_batch
 from extract.planning import PlanConfig, buckets_of, plan_unit
 from extract.target import HiddenStateCapture
-from train.batch import PackedBatch, positions_from_cu_seqlens
+from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
 from train.epochs import Position, SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)
@@ -93,14 +93,17 @@ class LiveSource:
         epoch, first = start.epoch, start.batch
         while epochs is None or epoch < epochs:
             plan = self.epoch_batches(epoch)
-            for i, made in self._run_epoch(plan, first):
-                if made.ready is not None:
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(made.ready)
-                    made.batch.features.record_stream(stream)
-                if self.tee is not None and epoch == 0:
-                    self.tee(i, made.batch, made.ready)
-                yield Position(epoch, i + 1), made.batch
+            # Closed explicitly: a consumer that stops early must find the workers stopped and
+            # joined, not still running forwards that the next source would race with.
+            with contextlib.closing(self._run_epoch(plan, first)) as made_batches:
+                for i, made in made_batches:
+                    if made.ready is not None:
+                        stream = torch.cuda.current_stream(self.device)
+                        stream.wait_event(made.ready)
+                        made.batch.features.record_stream(stream)
+                    if self.tee is not None and epoch == 0:
+                        self.tee(i, made.batch, made.ready)
+                    yield Position(epoch, i + 1), made.batch
             epoch, first = epoch + 1, 0
 
     def _run_epoch(self, plan: list[np.ndarray], first: int) -> Iterator[tuple[int, _Made]]:
@@ -186,12 +189,16 @@ class LiveSource:
                 ready.record(stream)
         cu = torch.from_numpy(offsets.astype(np.int64))
         total = int(offsets[-1])
+        layout = HostLayout(input_ids=torch.from_numpy(np.concatenate([r.input_ids for r in rows]).astype(np.int64)),
+                            loss_mask=torch.from_numpy(np.concatenate([r.loss_mask for r in rows]).astype(bool)),
+                            cu_seqlens=cu)
         batch = PackedBatch(
-            input_ids=torch.from_numpy(np.concatenate([r.input_ids for r in rows]).astype(np.int64)).to(self.device),
-            loss_mask=torch.from_numpy(np.concatenate([r.loss_mask for r in rows]).astype(bool)).to(self.device),
+            input_ids=layout.input_ids.to(self.device),
+            loss_mask=layout.loss_mask.to(self.device),
             position_ids=positions_from_cu_seqlens(cu, total).to(self.device),
             cu_seqlens=cu.to(self.device),
             sample_ids=torch.from_numpy(sample_ids.astype(np.int64)).to(self.device),
             features=features,
+            host=layout,
         )
         return _Made(i, batch, ready)

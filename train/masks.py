@@ -19,6 +19,7 @@ Inside the block, attention is causal: slot ``i`` sees slots ``0 .. i``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -99,16 +100,29 @@ def _mask_mod(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks, slid
     return mask_mod
 
 
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def flex_block_mask(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks, *,
                     sliding_window: int | None, compile: bool = False):
-    """The same rule as ``dense_mask`` as a FlexAttention BlockMask (B=None, H=None, Q=A*B, KV=T+A*B)."""
+    """The same rule as ``dense_mask`` as a FlexAttention BlockMask (B=None, H=None, Q=A*B, KV=T+A*B).
+
+    ``compile`` (for GPUs) fuses computing the mask and reducing it to blocks into compiled kernels;
+    eager evaluation materialises the whole Q x K mask and its int64 intermediates, gigabytes at
+    training sizes.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     _check_window(sliding_window)
     q_len = blocks.num_anchors * blocks.block_size
     kv_len = int(ctx_doc.shape[0]) + q_len
     mask_mod = _mask_mod(ctx_doc, ctx_pos, blocks, sliding_window)
-    return create_block_mask(mask_mod, None, None, q_len, kv_len, device=ctx_doc.device, _compile=compile)
+    build = _compiled_create_block_mask() if compile else create_block_mask
+    return build(mask_mod, None, None, q_len, kv_len, device=ctx_doc.device)
 
 
 def build_masks(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks, *, layer_types: Sequence[str],

@@ -73,6 +73,7 @@ class TrainConfig:
     block_size: int = 16
     draft_layers: int = 5
     num_anchors: int = 512
+    max_anchors: int | None = None  # per packed batch; bounds drafter memory on batches of short samples
     epochs: int = 6
     max_steps: int | None = None
     lr: float = 6e-4
@@ -100,6 +101,8 @@ class TrainConfig:
             raise UserError("--epochs must be at least 1 (or give --max-steps)")
         if self.block_size < 2 or self.num_anchors < 1 or self.draft_layers < 1:
             raise UserError("--block-size must be >= 2, --num-anchors and --draft-layers >= 1")
+        if self.max_anchors is not None and self.max_anchors < 1:
+            raise UserError(f"--max-anchors must be >= 1, got {self.max_anchors}")
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -208,11 +211,13 @@ class Trainer:
         cfg, dcfg = self.cfg, self.drafter_cfg
         with self.profiler.span("dflash.anchors"):
             blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                    max_anchors=cfg.max_anchors,
                                     mask_token_id=dcfg.mask_token_id, generator=self.generator)
         with self.profiler.span("dflash.create_block_mask"):
             ctx_doc, ctx_pos = context_doc_pos(batch)
             masks = build_masks(ctx_doc, ctx_pos, blocks, layer_types=dcfg.layer_types,
-                                sliding_window=dcfg.sliding_window, backend=self.backend)
+                                sliding_window=dcfg.sliding_window, backend=self.backend,
+                                compile=self.backend == "flex")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with self.profiler.span("drafter.forward"), autocast:
             features = batch.features if self.device.type == "cuda" else batch.features.float()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from train.anchors import Blocks, default_gamma, sample_anchors
-from train.batch import PackedBatch, positions_from_cu_seqlens
+from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
 
 MASK = 99_999
 
@@ -112,6 +112,33 @@ def test_deterministic_per_seed():
     assert torch.equal(a.token_index, b.token_index)
     assert torch.equal(a.labels, b.labels) and torch.equal(a.weights, b.weights)
     assert not torch.equal(a.token_index, c.token_index)
+
+
+def test_host_layout_gives_the_same_blocks():
+    """Sampling from the host layout (what the sources attach, so the GPU step never syncs) draws the
+    same anchors, labels and weights as sampling from the batch's own tensors, in the stored dtypes."""
+    batch = make_batch([200, 150, 90, 40], seed=5)
+    ref = sample(batch, n=12, seed=3)
+    batch.host = HostLayout(input_ids=batch.input_ids.to(torch.int32), loss_mask=batch.loss_mask.to(torch.uint8),
+                            cu_seqlens=batch.cu_seqlens.clone())
+    batch.input_ids = torch.zeros_like(batch.input_ids)  # the host path must read nothing else
+    got = sample(batch, n=12, seed=3)
+    assert ref.num_anchors > 0
+    for name in ("token_index", "doc", "anchor_pos", "input_ids", "position_ids", "labels", "weights"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
+def test_max_anchors_keeps_a_random_subset_of_the_per_document_draw():
+    batch = make_batch([120, 90, 60, 200], seed=2)
+    full = sample(batch, n=40, seed=1)
+    capped = sample_anchors(batch, block_size=4, num_anchors=40, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(1), max_anchors=25)
+    assert full.num_anchors > 25 and capped.num_anchors == 25
+    assert set(capped.token_index.tolist()) <= set(full.token_index.tolist())
+    assert torch.equal(capped.token_index, capped.token_index.sort().values)
+    loose = sample_anchors(batch, block_size=4, num_anchors=40, mask_token_id=MASK,
+                           generator=torch.Generator().manual_seed(1), max_anchors=10_000)
+    assert torch.equal(loose.token_index, full.token_index)  # a cap that does not bind changes nothing
 
 
 def test_sampling_covers_candidates_roughly_uniformly():

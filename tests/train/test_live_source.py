@@ -103,6 +103,17 @@ def test_a_failing_target_worker_ends_the_run_with_its_error():
     assert "target worker on cpu failed" in result["error"] and "simulated CUDA error" in result["error"]
 
 
+def test_stopping_early_stops_and_joins_the_target_workers():
+    """A consumer that stops mid-epoch leaves no worker running forwards: a later source sharing the
+    target would otherwise race with it (on a GPU, out-of-bounds gathers in the capture hooks)."""
+    source = live_source(queue_depth=8)
+    batches = source.iterate(Position(0, 0))
+    next(batches)
+    assert any(t.name.startswith("dflash-target-") for t in threading.enumerate())
+    batches.close()
+    assert not any(t.name.startswith("dflash-target-") for t in threading.enumerate())
+
+
 def test_live_run_trains_and_tees_a_valid_cache(tmp_path):
     cfg = TrainConfig(target="tiny", out=str(tmp_path / "run"), block_size=8, draft_layers=2, num_anchors=16,
                       token_budget=2048, lr=3e-3, max_steps=40, log_every=20, progress=False,
