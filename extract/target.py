@@ -13,6 +13,7 @@ import copy
 import hashlib
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,15 @@ from dflash_cache.manifest import TargetIdentity
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
-TINY_SEED = 1234
+# The built-in target's assets, made by `python -m extract.tiny_pretrain` and shipped as package data.
+TINY_DIR = Path(__file__).resolve().parent / "tiny_target"
+TINY_WEIGHTS_FILE = "model.safetensors"
+TINY_CONFIG_FILE = "config.json"
+TINY_TOKENIZER_FILE = "tokenizer.json"
+TINY_PROMPTS_FILE = "demo_prompts.json"
+TINY_REPORT_FILE = "train_report.json"
+TINY_EOT = "<|endoftext|>"  # id 0: end of text, also the padding id
+TINY_MASK = "<|mask|>"  # id vocab-1: the drafter's mask token, never produced from text
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 # Config keys that say nothing about the computation the target performs.
@@ -46,32 +55,47 @@ def tiny_config():
     )
 
 
-# The layers' residual writers (o_proj, down_proj) are scaled down after the seeded init so each
-# token's greedy successor depends mostly on the token itself (about 60% follow a fixed map) and
-# partly on the context: text as peaked as a small real LM's, which a drafter can learn on a CPU
-# in minutes. A fully random target of this size produces chaotic text no drafter can predict.
-# The LM head is scaled up so logits spread like a trained model's (a few units) rather than
-# the ~0.2 of a 0.02-std init; argmax, hence the greedy text, does not change.
-TINY_RESIDUAL_SCALE = 0.1
-TINY_LM_HEAD_SCALE = 20.0
+def tiny_weights_path() -> Path:
+    path = TINY_DIR / TINY_WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"the tiny target's weights are missing ({path}); "
+                        "run `python -m extract.tiny_pretrain --out extract/tiny_target`")
+    return path
 
 
 def build_tiny_target(num_layers: int | None = None) -> nn.Module:
-    """The tiny target with weights from a fixed seed; global RNG state is left untouched."""
+    """The tiny target: a Qwen3 pretrained on the Python stdlib (see extract/tiny_pretrain.py),
+    fp32 in memory, eval mode, cut to its first `num_layers` layers; global RNG state is untouched
+    (the constructor's random init, immediately overwritten, runs in a forked RNG)."""
+    from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM
 
-    config = tiny_config()
+    state = load_file(tiny_weights_path())
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED)
-        model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(TINY_RESIDUAL_SCALE)
-            layer.mlp.down_proj.weight.mul_(TINY_RESIDUAL_SCALE)
-        model.lm_head.weight.mul_(TINY_LM_HEAD_SCALE)
+        model = Qwen3ForCausalLM(tiny_config())
+    model.load_state_dict(state, strict=True)
+    model = model.float()
     if num_layers is not None:
         model.model.layers = model.model.layers[:num_layers]
     return model.eval()
+
+
+def load_tiny_tokenizer(path: Path | str | None = None):
+    """The tiny target's `tokenizers.Tokenizer`, set to encode special-token text as plain text, so
+    `<|mask|>` (id vocab-1) and `<|endoftext|>` (id 0) are never produced from input strings."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path if path is not None else TINY_DIR / TINY_TOKENIZER_FILE))
+    tok.encode_special_tokens = True
+    return tok
+
+
+def tiny_tokenizer():
+    """The tiny target's tokenizer as a transformers fast tokenizer (eos = pad = id 0, mask = vocab-1)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(TINY_DIR / TINY_TOKENIZER_FILE), eos_token=TINY_EOT,
+                                   pad_token=TINY_EOT, mask_token=TINY_MASK, split_special_tokens=True)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -110,10 +134,10 @@ def check_layers(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
 
 def weights_fingerprint(name: str) -> str:
     """Tells checkpoints of one architecture apart without reading them whole: sha256 over each
-    weight file's name, size and first and last MiB (for `tiny`, its seed and scales)."""
+    weight file's name, size and first and last MiB (for `tiny`, all of its one small file)."""
     h = hashlib.sha256()
     if name == TINY:
-        h.update(f"tiny:{TINY_SEED}:{TINY_RESIDUAL_SCALE}:{TINY_LM_HEAD_SCALE}".encode())
+        h.update(b"tiny:" + tiny_weights_path().read_bytes())
         return h.hexdigest()[:16]
     files = sorted(p for p in Path(name).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
     for path in files:
@@ -269,6 +293,7 @@ class HiddenStateCapture:
             self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
         self._out: torch.Tensor | None = None
         self._gather: torch.Tensor | None = None
+        self._busy = threading.Lock()  # the hooks read per-call state: one call at a time
         self._hooks = [self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
                        for col, layer_id in enumerate(layer_ids)]
 
@@ -293,10 +318,11 @@ class HiddenStateCapture:
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
         n_tokens = gather.shape[0]
         width = len(self.layer_ids) * self.hidden_size
-        self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
-        self._gather = gather
-        try:
-            run_backbone(self.decoder, input_ids, attention_mask)
-            return self._out
-        finally:
-            self._out, self._gather = None, None
+        with self._busy:
+            self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
+            self._gather = gather
+            try:
+                run_backbone(self.decoder, input_ids, attention_mask)
+                return self._out
+            finally:
+                self._out, self._gather = None, None

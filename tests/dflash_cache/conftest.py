@@ -25,6 +25,14 @@ def build_cache(out: Path, codec: str) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_tokens() -> int:
+    """Tokens in the demo dataset: not a constant, it changes whenever the tiny target is retrained."""
+    from extract.demo import demo_table
+
+    return sum(len(ids) for ids in demo_table().column("input_ids").to_pylist())
+
+
+@pytest.fixture(scope="session")
 def real_cache(tmp_path_factory):
     """real_cache(codec) -> path of a pristine cache (do not modify; copy it with `cache_copy`)."""
 

@@ -36,8 +36,9 @@ def test_training_lowers_loss_and_learns_slot_one(trained_demo_run):
     rows = _rows(out)
     first, last = rows[0], rows[-1]
     assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
-    # chance is 1/2048 for the tiny vocabulary; 0.05 is a hundred times that
-    assert last["slot_acc"][0] > 0.05 and last["slot_acc"][0] > 5 * first["slot_acc"][0], (first, last)
+    # chance is 1/2048 for the tiny vocabulary; 0.05 is a hundred times that. The pretrained target's
+    # text is predictable enough that 25 steps already give ~0.15, so the gain is measured in points.
+    assert last["slot_acc"][0] > 0.05 and last["slot_acc"][0] > first["slot_acc"][0] + 0.1, (first, last)
     assert last["tau_hat"] > 1.05
     export = out / "export"
     assert len(load_file(export / "model.safetensors")) == 3 + 11 * 2
