@@ -29,3 +29,11 @@ bench-extract *args:
 # GPU benchmark of phase 2 (an NVIDIA GPU; see bench/train.py --help).
 bench-train *args:
     python3 bench/train.py {{args}}
+
+# GPU benchmark of train --live against each half alone and against offline (see bench/live.py --help).
+bench-live *args:
+    python3 bench/live.py {{args}}
+
+# Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m extract.tiny_pretrain --help).
+pretrain-tiny *args:
+    python3 -m extract.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}

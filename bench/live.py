@@ -54,6 +54,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=400_000, help="dataset size")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per measurement")
     ap.add_argument("--token-budget", type=int, default=12288)
+    ap.add_argument("--max-anchors", type=int, default=2048,
+                    help="anchors per batch at most: 512 per 3072 tokens, the density of DFlash's cost model; "
+                         "batches of short samples would otherwise hold several times more")
+    ap.add_argument("--queue-depth", type=int, default=16,
+                    help="live queue depth (each queued batch holds its features on the GPU: ~0.5 GB here)")
     ap.add_argument("--out", default="/tmp/dflash-bench-live")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--json", default=None)
@@ -76,7 +81,7 @@ def main() -> None:
 
     block = 16 if not args.small else 8
     cfg_kw = dict(target="synthetic", block_size=block, draft_layers=s["layers"], num_anchors=512 if not args.small else 16,
-                  token_budget=args.token_budget, max_steps=10**9, progress=False, prefetch=4, read_threads=4)
+                  token_budget=args.token_budget, max_anchors=args.max_anchors, max_steps=10**9, progress=False, prefetch=4, read_threads=4)
     drafter_cfg = bench_drafter_config(  # the drafter takes the target's sizes
         hidden=tcfg.hidden_size, inter=tcfg.intermediate_size, heads=tcfg.num_attention_heads,
         kv=tcfg.num_key_value_heads, head_dim=tcfg.head_dim, vocab=tcfg.vocab_size, layers=s["layers"], block=block,
@@ -89,7 +94,7 @@ def main() -> None:
     def live_source(profiler: StageProfiler) -> LiveSource:
         cfg = TrainConfig(cache="x", out=str(out / "live"), **cfg_kw)
         return LiveSource(dataset=data, table=table, config=source_config(cfg), captures=[capture],
-                          target_devices=[device], device=device, max_len=None, overlong="truncate", queue_depth=60,
+                          target_devices=[device], device=device, max_len=None, overlong="truncate", queue_depth=args.queue_depth,
                           profiler=profiler)
 
     # target only
@@ -104,6 +109,7 @@ def main() -> None:
     sync(device)
     results["rates"]["target_only"] = n / (time.perf_counter() - t0)
     batches.close()
+    release_cached(device)
 
     # drafter only, on batches resident on the GPU
     resident = [b for _, b in itertools.islice(live_source(StageProfiler(None)).iterate(Position(0, 0)), args.steps)]
@@ -114,6 +120,7 @@ def main() -> None:
     sec, tok = timed_steps(trainer, iter(resident), args.steps, device)
     results["rates"]["drafter_only"] = tok / sec
     del resident
+    release_cached(device)
 
     # live: the same trainer fed by the live source
     live_batches = (b for _, b in trainer.source.iterate(Position(0, 0)))
@@ -122,6 +129,9 @@ def main() -> None:
     sec, tok = timed_steps(trainer, live_batches, args.steps, device)
     results["rates"]["live"] = tok / sec
     results["live_profile"] = profiler.maybe_report(force=True)
+    live_batches.close()  # stops the target worker before extraction takes the GPU
+    del trainer, live_batches
+    release_cached(device)
 
     # offline: extract everything (timed), then train from the cache
     root = out / "cache"
@@ -153,6 +163,14 @@ def main() -> None:
     print(results["live_profile"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def release_cached(device: torch.device) -> None:
+    """Hand cached blocks back between phases: each phase's target worker allocates on its own
+    stream, and the allocator keeps a separate cache per stream that no other stream can use."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def _train_from_cache(root, plan, layer_ids, tcfg, cfg_kw, drafter_cfg, head, device, out, steps) -> float:

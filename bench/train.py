@@ -11,8 +11,12 @@ optimiser steps for each source:
     background, the page cache dropped first when the OS allows it (reported);
   * resident: the same batches, decoded, held on the GPU (no I/O at all).
 
-Prints tok/s (sequence tokens), each cache's ratio to resident, peak GPU memory and the profiler's
-stage breakdown. `--small` shrinks everything so the script can be checked on a CPU.
+One trainer steps through the sources in interleaved rounds (resident, then each cache), so drift
+in clocks or allocator state hits all of them alike. Each cache run first takes 2 untimed steps
+(its reader pool filling the prefetch window, reported) and is then timed in steady state.
+Prints tok/s (sequence tokens) per round, each cache's ratio to the resident run of the same
+round, peak GPU memory and the profiler's stage breakdown. `--small` shrinks everything so the
+script can be checked on a CPU.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def timed_steps(trainer: Trainer, batches, steps: int, device) -> tuple[float, i
     t0, tokens = time.perf_counter(), 0
     for batch in itertools.islice(batches, steps):
         trainer.train_step(batch)
+        trainer.profiler.add_tokens(batch.num_tokens)
         tokens += batch.num_tokens
     sync(device)
     return time.perf_counter() - t0, tokens
@@ -108,8 +113,9 @@ def timed_steps(trainer: Trainer, batches, steps: int, device) -> tuple[float, i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=300_000, help="tokens in each synthetic cache")
-    ap.add_argument("--steps", type=int, default=20, help="timed optimiser steps per source")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24, help="timed optimiser steps per measurement")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of (resident, each cache), interleaved")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (FlexAttention compiles)")
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
@@ -121,7 +127,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = shapes(args.small)
     out = Path(args.out)
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": {}}
+    codecs = args.codecs.split(",")
 
     cfg_kw = dict(target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
                   num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
@@ -133,40 +139,59 @@ def main() -> None:
     head = FrozenTargetHead(torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02,
                             torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02)
 
-    resident = None
-    for codec in args.codecs.split(","):
+    sources = {}
+    for codec in codecs:
         root = out / f"cache-{codec}"
         t0 = time.perf_counter()
         write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device)
         print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
         cfg = TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw)
-        profiler = StageProfiler(10**9)
-        source = CacheSource(CacheReader(root), source_config(cfg), device=device, profiler=profiler)
-        trainer = Trainer(cfg, source=source, drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
-        warm = (b for _, b in trainer.source.iterate(Position(0, 0)))
-        timed_steps(trainer, warm, args.warmup, device)
-        if resident is None:  # the same batches the cache runs see, decoded and held on the GPU
-            resident = [b for _, b in itertools.islice(trainer.source.iterate(Position(0, 0)), args.steps)]
-            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
-            sec, tok = timed_steps(trainer, iter(resident), args.steps, device)
-            results["runs"]["resident"] = {"tok_s": tok / sec, "steps": args.steps}
-            print(f"resident: {tok / sec:,.0f} tok/s", flush=True)
-        dropped = drop_page_cache()
-        trainer.profiler.maybe_report(force=True)  # reset the window
-        batches = (b for _, b in trainer.source.iterate(Position(0, 0)))
-        sec, tok = timed_steps(trainer, batches, args.steps, device)
-        report = trainer.profiler.maybe_report(force=True)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        results["runs"][codec] = {"tok_s": tok / sec, "page_cache_dropped": dropped, "peak_gib": peak,
-                                  "profile": report}
-        print(f"cache {codec}: {tok / sec:,.0f} tok/s (page cache dropped: {dropped}); peak GPU {peak:.1f} GiB",
-              flush=True)
-        print(report, flush=True)
-        del trainer
-    base = results["runs"]["resident"]["tok_s"]
-    print("\n| source | tok/s | ratio vs resident |\n|---|---:|---:|")
-    for name, r in results["runs"].items():
-        print(f"| {name} | {r['tok_s']:,.0f} | {r['tok_s'] / base:.3f} |")
+        sources[codec] = CacheSource(CacheReader(root), source_config(cfg), device=device)
+    # One trainer (one drafter, one optimiser) steps through every source in turn, so the
+    # measurements differ only in where the batches come from.
+    profiler = StageProfiler(10**9)
+    trainer = Trainer(TrainConfig(cache=str(out / f"cache-{codecs[0]}"), out=str(out / "run"), **cfg_kw),
+                      source=sources[codecs[0]], drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
+    for source in sources.values():
+        source.profiler = profiler
+    first = sources[codecs[0]]
+    t0 = time.perf_counter()
+    timed_steps(trainer, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
+    print(f"warm-up ({args.warmup} steps, compiles included): {time.perf_counter() - t0:.1f}s", flush=True)
+    # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
+    resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps)]
+
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "steps": args.steps, "token_budget": args.token_budget, "runs": {}}
+    for rnd in range(args.rounds):
+        for name in ["resident", *codecs]:
+            if name == "resident":
+                batches, startup, dropped = iter(resident), 0.0, None
+            else:
+                dropped = drop_page_cache()
+                batches = (b for _, b in sources[name].iterate(Position(0, 0)))
+                t0 = time.perf_counter()
+                timed_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+                startup = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            profiler.maybe_report(force=True)  # a fresh window for this measurement
+            sec, tok = timed_steps(trainer, batches, args.steps, device)
+            report = profiler.maybe_report(force=True)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            run = {"tok_s": tok / sec, "peak_gib": peak, "first_2_steps_s": startup,
+                   "page_cache_dropped": dropped, "profile": report}
+            results["runs"].setdefault(name, []).append(run)
+            print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB;"
+                  f" page cache dropped: {dropped}", flush=True)
+            print(report, flush=True)
+    base = [r["tok_s"] for r in results["runs"]["resident"]]
+    print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
+    print("| source | tok/s per round | ratio vs resident (same round) | peak GPU GiB |\n|---|---:|---:|---:|")
+    for name, runs in results["runs"].items():
+        rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
+        ratios = " / ".join(f"{r['tok_s'] / b:.3f}" for r, b in zip(runs, base, strict=True))
+        print(f"| {name} | {rates} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
