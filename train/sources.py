@@ -62,24 +62,29 @@ def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, p
     return Parts(source, *_drafter_and_head(cfg, target, device))
 
 
-def target_devices(spec: str, drafter: torch.device) -> list[torch.device]:
-    """--target-gpus: 'same' -> the drafter's device; 'cpu'; or GPU indices like 0,1."""
+def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int = 1) -> list[torch.device]:
+    """--target-gpus: 'same' -> the drafter's device; 'cpu'; or GPU indices like 0,1, which the
+    ranks of a torchrun job share out (rank r takes every world-th index from the r-th on)."""
     if spec == "same":
         return [drafter]
     ids = parse_gpus(spec)
-    return [torch.device("cpu")] if ids is None else [torch.device("cuda", i) for i in ids]
+    if ids is None:
+        return [torch.device("cpu")]
+    mine = ids[rank::world]
+    if not mine:
+        raise UserError(f"--target-gpus {spec} names {len(ids)} GPU(s) for {world} processes; give at least "
+                        "one per process, or 'same' to run each target on its drafter's GPU")
+    return [torch.device("cuda", i) for i in mine]
 
 
 def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
     live = cfg.live
-    if world > 1:
-        raise UserError("--live runs in one process for now (target workers are threads); drop torchrun")
     target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
     dataset = open_data(live.data, live.limit)
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=live.max_len, overlong=live.overlong)
     table = live_sample_table(scan, DEFAULT_BUCKETS)
-    devices = target_devices(live.target_gpus, device)
+    devices = target_devices(live.target_gpus, device, rank, world)
     captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]
     tee = None
     if live.write_cache:

@@ -22,7 +22,7 @@ import torch
 
 from dflash_cache.codecs import get_codec, to_stored_numpy
 from dflash_cache.lock import CacheLock
-from dflash_cache.segments import segment_name, write_segment
+from dflash_cache.segments import read_records, segment_name, write_segment
 from extract.config import ExtractConfig
 from extract.dataset import DatasetScan, TokenizedDataset
 from extract.planning import Plan, PlanConfig, PlannedBatch
@@ -67,6 +67,9 @@ class CacheTee:
         self._lock = CacheLock(self.root, name=f".lock-rank{rank}")
         self._lock.__enter__()
         self.committed = open_or_create(job) if rank == 0 else set()
+        if world > 1:  # the other ranks write into the cache rank 0 has just created or reopened
+            torch.distributed.barrier()
+            self.committed = {r.name for r in read_records(self.root)}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-tee")
         self._in_flight = threading.BoundedSemaphore(2)
         self._futures: list[Future] = []
@@ -103,6 +106,8 @@ class CacheTee:
             for fut in self._futures:
                 fut.result()
             self._pool.shutdown()
+            if self.world > 1:  # every rank's segments are committed before rank 0 indexes them
+                torch.distributed.barrier()
             if self.rank == 0:
                 finish_cache(self.root, log.info, time.perf_counter() - self._t0)
         finally:

@@ -126,3 +126,27 @@ def test_live_run_trains_and_tees_a_valid_cache(tmp_path):
     offline = TrainConfig(target="tiny", cache=str(tmp_path / "tee"), out=str(tmp_path / "offline"), block_size=8,
                           draft_layers=2, num_anchors=16, token_budget=2048, max_steps=2, progress=False)
     assert Trainer.build(offline, device=CPU).fit()["step"] == 2
+
+
+def test_torchrun_two_cpu_ranks_train_live_and_tee_one_cache(tmp_path):
+    """`train --live` under torchrun: each rank runs its own target on its share of every epoch, DDP
+    joins the drafters, and the ranks' tee'd segments make one complete, valid cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out, tee = tmp_path / "run", tmp_path / "tee"
+    port = 29700 + (os.getpid() + 500) % 1000
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "dflash_cache.cli", "train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out),
+           "--target-gpus", "cpu", "--device", "cpu", "--epochs", "1", "--block-size", "8", "--draft-layers", "1",
+           "--num-anchors", "8", "--token-budget", "1024", "--queue-depth", "4", "--log-every", "2",
+           "--write-cache", str(tee), "--no-progress"]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["epoch"] in (0, 1)
+    reader = CacheReader(tee)
+    assert reader.complete and not verify(reader)
+    assert {r.rank for r in reader.records} == {0, 1}

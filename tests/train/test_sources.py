@@ -1,0 +1,33 @@
+"""Building sources (train.sources): how --target-gpus maps onto devices and torchrun ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_cache.errors import UserError
+from train.sources import target_devices
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+
+def test_same_and_cpu():
+    drafter = torch.device("cpu")
+    assert target_devices("same", drafter) == [drafter]
+    assert target_devices("cpu", drafter, rank=1, world=2) == [torch.device("cpu")]
+
+
+def test_gpu_indices_are_shared_out_over_ranks(four_gpus):
+    cuda = [torch.device("cuda", i) for i in range(4)]
+    assert target_devices("0,1,2,3", torch.device("cpu")) == cuda
+    assert target_devices("0,1,2,3", torch.device("cpu"), rank=0, world=2) == [cuda[0], cuda[2]]
+    assert target_devices("0,1,2,3", torch.device("cpu"), rank=1, world=2) == [cuda[1], cuda[3]]
+    assert target_devices("2,3", torch.device("cpu"), rank=1, world=2) == [cuda[3]]
+
+
+def test_fewer_target_gpus_than_ranks_is_refused(four_gpus):
+    with pytest.raises(UserError, match="at least one per process"):
+        target_devices("0", torch.device("cpu"), rank=1, world=2)
