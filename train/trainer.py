@@ -123,10 +123,13 @@ class Trainer:
     def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> Trainer:
         from train.sources import cache_parts, live_parts
 
+        t0 = time.perf_counter()
         profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
         parts = (cache_parts if cfg.cache is not None else live_parts)(cfg, device, rank, world, profiler)
-        return cls(cfg, source=parts.source, drafter_cfg=parts.drafter_cfg, head=parts.head, device=device,
-                   rank=rank, world=world, profiler=profiler)
+        trainer = cls(cfg, source=parts.source, drafter_cfg=parts.drafter_cfg, head=parts.head, device=device,
+                      rank=rank, world=world, profiler=profiler)
+        trainer.build_seconds = time.perf_counter() - t0
+        return trainer
 
     def __init__(self, cfg: TrainConfig, *, source: Source, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
                  device: torch.device, rank: int = 0, world: int = 1, profiler: StageProfiler | None = None) -> None:
@@ -157,6 +160,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000003 + rank)
         self.backend = "flex" if device.type == "cuda" else "dense"
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
+        self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
                  per_epoch, self.total_steps)
@@ -250,11 +254,17 @@ class Trainer:
         last: dict[str, float] = {}
         window: list[dict[str, torch.Tensor]] = []
         t_window, tok_window = time.perf_counter(), 0
+        t_start, first_step = time.perf_counter(), True
         try:
             for position, batch in self.source.iterate(self.position, epochs=None if cfg.max_steps else cfg.epochs):
                 if self.step >= self.total_steps:
                     break
+                if first_step:
+                    t_batch = time.perf_counter()
                 window.append(self.train_step(batch))
+                if first_step:
+                    self._log_startup(t_start, t_batch)
+                    first_step = False
                 self.step, self.position = self.step + 1, position
                 self.tokens_seen += batch.num_tokens
                 tok_window += batch.num_tokens
@@ -280,6 +290,15 @@ class Trainer:
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
         return last
+
+    def _log_startup(self, t_start: float, t_batch: float) -> None:
+        """Where start-up went: it can take minutes at scale (loading, the first read, compiling)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        build = f"set-up {self.build_seconds:.1f}s, " if self.build_seconds is not None else ""
+        log.info("start-up: %sfirst batch %.1fs, first step %.1fs (compilation included)", build,
+                 t_batch - t_start, now - t_batch)
 
     def _log(self, window: list[dict[str, torch.Tensor]], seconds: float, tokens: int, path: Path) -> dict[str, float]:
         """Average the window's metrics (over ranks too: one collective per log step) and record them."""

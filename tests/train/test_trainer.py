@@ -71,10 +71,14 @@ def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path
     assert resumed == straight
 
 
-def test_existing_run_needs_resume(demo_cache, tmp_path):
+def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
+    import logging
+
     import torch
 
-    Trainer.build(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
+    with caplog.at_level(logging.INFO, logger="train.trainer"):
+        Trainer.build(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
+    assert any(m.startswith("start-up: set-up ") for m in caplog.messages), "start-up is reported"
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
                                  "--max-steps", "2", "--device", "cpu", "--no-progress"])
     assert r.exit_code == 2 and "--resume" in r.output
