@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 WORKER_CONFIG_ENV = "DFLASH_EXTRACT_CONFIG"
 
 
-def parse_gpus(spec: str) -> list[int] | None:
+def parse_gpus(spec: str, flag: str = "--gpus") -> list[int] | None:
     """'cpu' -> None; 'all' -> every visible GPU (None if there is none); '0,2,3' -> [0, 2, 3]."""
     spec = spec.strip().lower()
     if spec == "cpu":
@@ -42,17 +42,19 @@ def parse_gpus(spec: str) -> list[int] | None:
     if spec == "all":
         n = torch.cuda.device_count()
         if n == 0:
-            log.warning("--gpus all: no CUDA device visible, running on the CPU")
+            log.warning("%s all: no CUDA device visible, running on the CPU", flag)
             return None
         return list(range(n))
     try:
         ids = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--gpus {spec!r}: expected 'all', 'cpu' or comma-separated GPU indices like 0,2,3") from None
+        raise UserError(f"{flag} {spec!r}: expected 'all', 'cpu' or comma-separated GPU indices like 0,2,3") from None
     n = torch.cuda.device_count()
+    if n == 0:
+        raise UserError(f"{flag} {spec!r}: no CUDA device is visible; use {flag} cpu")
     bad = [i for i in ids if not 0 <= i < n]
     if not ids or bad:
-        raise UserError(f"--gpus {spec!r}: {n} CUDA device(s) visible, so valid indices are 0..{n - 1}")
+        raise UserError(f"{flag} {spec!r}: {n} CUDA device(s) visible, so valid indices are 0..{n - 1}")
     return ids
 
 

@@ -67,7 +67,7 @@ def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int =
     ranks of a torchrun job share out (rank r takes every world-th index from the r-th on)."""
     if spec == "same":
         return [drafter]
-    ids = parse_gpus(spec)
+    ids = parse_gpus(spec, flag="--target-gpus")
     if ids is None:
         return [torch.device("cpu")]
     mine = ids[rank::world]

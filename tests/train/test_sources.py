@@ -31,3 +31,9 @@ def test_gpu_indices_are_shared_out_over_ranks(four_gpus):
 def test_fewer_target_gpus_than_ranks_is_refused(four_gpus):
     with pytest.raises(UserError, match="at least one per process"):
         target_devices("0", torch.device("cpu"), rank=1, world=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_indices_without_cuda_name_the_flag_and_the_fix():
+    with pytest.raises(UserError, match=r"--target-gpus '0': no CUDA device is visible; use --target-gpus cpu"):
+        target_devices("0", torch.device("cpu"))
