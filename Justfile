@@ -37,3 +37,7 @@ bench-live *args:
 # Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m extract.tiny_pretrain --help).
 pretrain-tiny *args:
     python3 -m extract.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}
+
+# GPU benchmark over every GPU of one host: extract, DDP train and live against one GPU (see bench/multi_gpu.py --help).
+bench-multi *args:
+    python3 bench/multi_gpu.py {{args}}

@@ -1,0 +1,156 @@
+"""Multi-GPU benchmark (several GPUs of one host), run through the CLI exactly as a user would.
+
+1. `extract --gpus 0` against `extract --gpus all` (N worker processes) on the same data:
+   throughput of the extraction itself (each rank logs its tokens and seconds, model loading
+   excluded; the N-GPU rate is all tokens over the slowest rank's time), the two caches' sample
+   sets compared, both verified. Goal: >= 0.95 x N.
+2. `train` from the N-GPU cache in one process against `torchrun --nproc-per-node N` (DDP): the
+   last logged window's tokens/s (all ranks), after the compile-bearing first window. Goal >= 0.9 x N.
+3. `train --live` with the target on GPUs 0..N-2 and the drafter on GPU N-1, against offline
+   (the N-GPU extraction's time plus epochs x tokens at the torchrun training rate).
+
+A Qwen3-8B-shaped target with random bf16 weights is saved to --out first (not timed), with
+synthetic rows over the default length buckets. `--small` uses a small Qwen3 and 2 CPU processes
+(gloo) everywhere, so the script can be checked on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
+from dflash_cache.inspect import verify  # noqa: E402
+from dflash_cache.reader import CacheReader  # noqa: E402
+
+RANK_LINE = re.compile(r"rank (\d+): \d+ segments, (\d+) tokens in ([\d.]+)s")
+CLI = [sys.executable, "-m", "dflash_cache.cli"]
+
+
+def run(cmd: list[str], log: Path) -> str:
+    """Run a command, keeping its whole output in `log`; a failure stops the benchmark with its tail."""
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}) after {time.perf_counter() - t0:.0f}s:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def torchrun(n: int) -> list[str]:
+    port = 29500 + os.getpid() % 1000
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(port),
+            "-m", "dflash_cache.cli"]
+
+
+def extraction_rate(output: str) -> tuple[float, int]:
+    """(tokens/s over the slowest rank's extraction time, ranks seen) from the ranks' log lines."""
+    ranks = {int(r): (int(t), float(s)) for r, t, s in RANK_LINE.findall(output)}
+    if not ranks:
+        sys.exit("no 'rank N: ... tokens in Xs' lines in the extraction output")
+    return sum(t for t, _ in ranks.values()) / max(s for _, s in ranks.values()), len(ranks)
+
+
+def last_rate(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return float(rows[-1]["tokens_per_s"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=800_000)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
+    ap.add_argument("--out", default="/tmp/dflash-bench-multi")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    n = 2 if args.small else torch.cuda.device_count()
+    if n < 2:
+        sys.exit("needs at least 2 CUDA GPUs (or --small for a CPU check)")
+
+    config = qwen3_8b_config(args.small)
+    model_dir, data = out / "model", out / "data.parquet"
+    model = build_model(config, torch.device("cpu" if args.small else "cuda"))
+    model.save_pretrained(model_dir)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # this process's cached blocks would sit on GPU 0 under the workers
+    pq.write_table(synthetic_rows(args.tokens, config.vocab_size), data)
+    results: dict = {"gpus": n, "device": "cpu" if args.small else torch.cuda.get_device_name(0)}
+
+    # 1. extraction, one GPU against all of them
+    common = ["extract", "--model", str(model_dir), "--data", str(data), "--codec", "fp8", "--no-progress"]
+    if args.small:
+        common += ["--token-budget", "8192", "--max-rows", "8", "--unit-rows", "64"]
+        one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "cpu"], out / "extract-1.log")
+        many = run(torchrun(n) + common + ["--out", str(out / "cache-n")], out / "extract-n.log")
+    else:
+        one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "0"], out / "extract-1.log")
+        many = run(CLI + common + ["--out", str(out / "cache-n"), "--gpus", "all"], out / "extract-n.log")
+    (rate_1, _), (rate_n, ranks) = extraction_rate(one), extraction_rate(many)
+    readers = [CacheReader(out / "cache-1"), CacheReader(out / "cache-n")]
+    same = [sorted(r.index.column("sample_id").to_pylist()) for r in readers]
+    problems = [verify(r) for r in readers]
+    results["extract"] = {"one_tok_s": rate_1, "all_tok_s": rate_n, "ranks": ranks, "scaling": rate_n / rate_1 / n,
+                          "same_samples": same[0] == same[1], "verify_problems": sum(len(p) for p in problems)}
+    t_extract = readers[1].num_tokens / rate_n
+
+    # 2. training from the cache, one process against torchrun
+    train = ["train", "--cache", str(out / "cache-n"), "--target", str(model_dir), "--max-steps", str(args.steps),
+             "--log-every", str(max(1, args.steps // 3)), "--no-progress"]
+    if args.small:
+        train += ["--device", "cpu", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "16",
+                  "--token-budget", "2048"]
+    run(CLI + train + ["--out", str(out / "train-1")], out / "train-1.log")
+    run(torchrun(n) + train + ["--out", str(out / "train-n")], out / "train-n.log")
+    train_1, train_n = last_rate(out / "train-1"), last_rate(out / "train-n")
+    results["train"] = {"one_tok_s": train_1, "all_tok_s": train_n, "scaling": train_n / train_1 / n}
+
+    # 3. live with split target and drafter GPUs, against offline
+    live = ["train", "--live", "--target", str(model_dir), "--data", str(data), "--out", str(out / "live"),
+            "--max-steps", str(args.steps), "--log-every", str(max(1, args.steps // 3)), "--no-progress",
+            "--max-anchors", "2048", "--queue-depth", "16"]
+    if args.small:
+        live += ["--target-gpus", "cpu", "--device", "cpu", "--block-size", "8", "--draft-layers", "1",
+                 "--num-anchors", "16", "--token-budget", "2048"]
+    else:
+        live += ["--target-gpus", ",".join(str(i) for i in range(n - 1)), "--device", f"cuda:{n - 1}"]
+    run(CLI + live, out / "live.log")
+    live_rate = last_rate(out / "live")
+    tokens = readers[1].num_tokens
+    results["live"] = {"tok_s": live_rate, **{f"{e}_epochs": {"live_s": e * tokens / live_rate,
+                                                                "offline_s": t_extract + e * tokens / train_n}
+                                               for e in (1, 3)}}
+
+    e, t = results["extract"], results["train"]
+    print(f"\n{results['device']} x {n}, {tokens:,} tokens")
+    print("| step | 1 GPU tok/s | N GPUs tok/s | scaling (N GPUs / (N x 1 GPU)) |\n|---|---:|---:|---:|")
+    print(f"| extract fp8 | {e['one_tok_s']:,.0f} | {e['all_tok_s']:,.0f} | {e['scaling']:.3f} |")
+    print(f"| train from the cache | {t['one_tok_s']:,.0f} | {t['all_tok_s']:,.0f} | {t['scaling']:.3f} |")
+    print(f"extract: same sample set {e['same_samples']}, verify problems {e['verify_problems']}")
+    print(f"live ({n - 1} target GPUs, 1 drafter GPU): {live_rate:,.0f} tok/s")
+    for ep in (1, 3):
+        r = results["live"][f"{ep}_epochs"]
+        print(f"  {ep} epoch(s): live {r['live_s']:.1f}s, offline (extract on {n} + train on {n}) {r['offline_s']:.1f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
