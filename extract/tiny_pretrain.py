@@ -22,11 +22,13 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import random
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -432,10 +434,8 @@ def install_tokenizer(cfg: PretrainConfig, corpus: Corpus, out: Path):
     vocab = tiny_config().vocab_size
     dest = out / TINY_TOKENIZER_FILE
     if cfg.tokenizer is not None:
-        src = Path(cfg.tokenizer)
-        if not (dest.exists() and dest.resolve() == src.resolve()):
-            shutil.copyfile(src, dest)
-        log.info("reusing tokenizer %s", src)
+        shutil.copyfile(cfg.tokenizer, dest)
+        log.info("reusing tokenizer %s", cfg.tokenizer)
     else:
         tok = train_tokenizer((f.text for f in corpus.train), vocab)
         write_bytes_atomic(dest, tok.to_str(pretty=True).encode())
@@ -444,14 +444,32 @@ def install_tokenizer(cfg: PretrainConfig, corpus: Corpus, out: Path):
     return tok
 
 
+OUTPUT_FILES = (TINY_TOKENIZER_FILE, TINY_WEIGHTS_FILE, TINY_CONFIG_FILE, TINY_PROMPTS_FILE, TINY_REPORT_FILE)
+
+
 def pretrain(cfg: PretrainConfig) -> dict:
-    """Run everything and write the five files into cfg.out; returns the report."""
-    t0 = time.perf_counter()
+    """Run everything and write the five files into cfg.out; returns the report.
+
+    The files are made in a staging directory inside cfg.out and moved into place only once all
+    exist, so a failed or interrupted run never leaves a new tokenizer beside old weights."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".pretrain-", dir=out))
+    try:
+        report = _pretrain_into(cfg, stage)
+        for name in OUTPUT_FILES:
+            os.replace(stage / name, out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    log.info("wrote %s (weights %.1f MB)", out, (out / TINY_WEIGHTS_FILE).stat().st_size / 1e6)
+    return report
+
+
+def _pretrain_into(cfg: PretrainConfig, stage: Path) -> dict:
+    t0 = time.perf_counter()
     root = Path(cfg.source) if cfg.source is not None else default_source()
     corpus = split_corpus(root, read_sources(root), cfg.heldout_percent)
-    tok = install_tokenizer(cfg, corpus, out)
+    tok = install_tokenizer(cfg, corpus, stage)
     train_tokens = encode_corpus(tok, corpus.train)
     heldout_tokens = encode_corpus(tok, corpus.heldout)
     prompts = cut_prompts(tok, corpus.heldout, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
@@ -460,9 +478,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     trainer = Pretrainer(cfg, train_tokens, heldout_tokens, device)
     result = trainer.fit()
 
-    save_weights(trainer.model, out / TINY_WEIGHTS_FILE)
-    save_config(out / TINY_CONFIG_FILE)
-    save_prompts(prompts, out / TINY_PROMPTS_FILE, cfg.seed, cfg.prompt_tokens)
+    save_weights(trainer.model, stage / TINY_WEIGHTS_FILE)
+    save_config(stage / TINY_CONFIG_FILE)
+    save_prompts(prompts, stage / TINY_PROMPTS_FILE, cfg.seed, cfg.prompt_tokens)
     report = {
         "python": platform.python_version(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -472,10 +490,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "result": asdict(result),
         "total_wall_s": time.perf_counter() - t0,
-        "sha256": {name: sha256_file(out / name) for name in (TINY_TOKENIZER_FILE, TINY_WEIGHTS_FILE)},
+        "sha256": {name: sha256_file(stage / name) for name in (TINY_TOKENIZER_FILE, TINY_WEIGHTS_FILE)},
     }
-    write_json_atomic(out / TINY_REPORT_FILE, report)
-    log.info("wrote %s (weights %.1f MB)", out, (out / TINY_WEIGHTS_FILE).stat().st_size / 1e6)
+    write_json_atomic(stage / TINY_REPORT_FILE, report)
     return report
 
 

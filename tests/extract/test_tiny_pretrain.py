@@ -125,6 +125,31 @@ def test_pretraining_runs_end_to_end(tmp_path):
     assert all(p["file"].startswith("pkg/") for p in prompts)
 
 
+def test_a_failed_run_leaves_the_output_as_it_was(tmp_path, monkeypatch):
+    """Nothing half-written: a run that fails after the tokenizer is made changes no file in --out."""
+    import extract.tiny_pretrain as tp
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        (src / f"m{i}.py").write_text("".join(f"x{j} = {j}\n" for j in range(200)))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("old")
+
+    def boom(*_a, **_k):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(tp.Pretrainer, "fit", boom)
+    cfg = PretrainConfig(out=out, source=src, tokenizer=TINY_DIR / "tokenizer.json", heldout_percent=50.0,
+                         seq_len=16, batch_size=2, steps=1, warmup_steps=1, device="cpu", num_prompts=1,
+                         prompt_tokens=(2, 4))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pretrain(cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == "old"
+
+
 def test_committed_weights_are_small_bf16_and_fingerprinted(tmp_path, monkeypatch):
     path = TINY_DIR / "model.safetensors"
     assert path.stat().st_size <= 8 << 20
