@@ -1,13 +1,31 @@
-"""Pieces the GPU benchmarks share: a Qwen3-shaped drafter config and the manifest of a synthetic cache."""
+"""Pieces the GPU benchmarks share: their common options and set-up, a Qwen3-shaped drafter config
+and the manifest of a synthetic cache."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 from pathlib import Path
+
+import torch
 
 from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
 from dflash_cache.reader import write_index
 from dflash_cache.segments import read_records
 from train.config import DrafterConfig
+
+
+def add_common_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """--out, --small and --json, which every benchmark takes."""
+    ap.add_argument("--out", default=out, help="scratch directory (replaced)")
+    ap.add_argument("--small", action="store_true", help="small shapes, to check the script on a CPU")
+    ap.add_argument("--json", default=None, help="also write the results here")
+
+
+def start_logging_and_device() -> torch.device:
+    """Timestamped INFO logging, and the GPU when there is one."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def bench_drafter_config(*, hidden: int, inter: int, heads: int, kv: int, head_dim: int, vocab: int, layers: int,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_common_args, start_logging_and_device  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
 from extract.dataset import from_table  # noqa: E402
@@ -116,16 +116,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="tokens per timed pass")
     ap.add_argument("--codecs", default="none,bf16,fp8")
-    ap.add_argument("--out", default="/tmp/dflash-bench-cache")
+    add_common_args(ap, "/tmp/dflash-bench-cache")
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--profile-interval", type=float, default=15.0)
-    ap.add_argument("--small", action="store_true", help="a small model, to check the script on a CPU")
-    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = start_logging_and_device()
     config = qwen3_8b_config(args.small)
     layer_ids = select_layers(config.num_hidden_layers, 5)
     t0 = time.perf_counter()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import shutil
 import sys
 import time
@@ -30,7 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_drafter_config, commit_synthetic_manifest  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_common_args,
+    bench_drafter_config,
+    commit_synthetic_manifest,
+    start_logging_and_device,
+)
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
 from bench.train import LAYER_IDS, shapes, sync, timed_steps  # noqa: E402
 from dflash_cache.manifest import PlanParams  # noqa: E402
@@ -59,12 +63,9 @@ def main() -> None:
                          "batches of short samples would otherwise hold several times more")
     ap.add_argument("--queue-depth", type=int, default=16,
                     help="live queue depth (each queued batch holds its features on the GPU: ~0.5 GB here)")
-    ap.add_argument("--out", default="/tmp/dflash-bench-live")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_common_args(ap, "/tmp/dflash-bench-live")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = start_logging_and_device()
     s = shapes(args.small)
     tcfg = qwen3_8b_config(args.small)
     layer_ids = list(LAYER_IDS) if not args.small else [1, 3, 5, 7, 9]

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_common_args  # noqa: E402
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
 from dflash_cache.inspect import verify  # noqa: E402
 from dflash_cache.reader import CacheReader  # noqa: E402
@@ -73,9 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=800_000)
     ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
-    ap.add_argument("--out", default="/tmp/dflash-bench-multi")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_common_args(ap, "/tmp/dflash-bench-multi")
     args = ap.parse_args()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

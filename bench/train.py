@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_drafter_config, commit_synthetic_manifest  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_common_args,
+    bench_drafter_config,
+    commit_synthetic_manifest,
+    start_logging_and_device,
+)
 from dflash_cache.codecs import get_codec, to_stored_numpy  # noqa: E402
 from dflash_cache.manifest import PlanParams  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
@@ -119,12 +123,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
-    ap.add_argument("--out", default="/tmp/dflash-bench-train")
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_common_args(ap, "/tmp/dflash-bench-train")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = start_logging_and_device()
     s = shapes(args.small)
     out = Path(args.out)
     codecs = args.codecs.split(",")

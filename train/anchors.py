@@ -15,8 +15,9 @@ Up to ``num_anchors`` candidates are drawn per document uniformly without replac
 ``torch.randperm`` over all candidates of the batch as random keys; the first ``num_anchors`` of
 each document in key order are kept); with ``max_anchors``, a uniform random subset of that size
 is kept when there are more (one more ``randperm``, drawn only then). The kept anchors are
-returned sorted by flat token index, i.e. by (document, position). Random numbers are drawn on the generator's device and moved
-to the batch's device, so a CPU generator gives identical anchors on CPU and CUDA.
+returned sorted by flat token index, i.e. by (document, position). Random numbers are drawn on
+the generator's device and moved to the batch's device, so a CPU generator gives identical
+anchors on CPU and CUDA.
 
 When the batch carries its host layout (the sources attach one), all of this runs on the host and
 only the finished blocks are copied to the device, asynchronously: the step never waits for the
@@ -58,8 +59,9 @@ class Blocks:
         return int(self.token_index.shape[0])
 
     def to(self, device: torch.device) -> Blocks:
-        """Copied to `device` from pinned memory without blocking the host (a no-op on the CPU)."""
-        if device.type == "cpu":
+        """Host blocks copied to `device` from pinned memory without blocking the host (a no-op when
+        `device` is the CPU or the blocks are already on an accelerator)."""
+        if device.type == "cpu" or self.token_index.device.type != "cpu":
             return self
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
@@ -79,18 +81,15 @@ def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DE
         raise ValueError(f"num_anchors must be >= 0, got {num_anchors}")
     if gamma is None:
         gamma = default_gamma(B)
-    device = batch.input_ids.device
-    if batch.host is not None:
-        h = batch.host
-        T = int(h.input_ids.shape[0])
+    h = batch.host
+    if h is not None:
         cu = h.cu_seqlens.to(torch.int64)
-        blocks = _sample(h.input_ids, h.loss_mask, positions_from_cu_seqlens(cu, T), cu, B=B,
-                         num_anchors=num_anchors, mask_token_id=mask_token_id, generator=generator, gamma=gamma,
-                         max_anchors=max_anchors)
-        return blocks.to(device)
-    return _sample(batch.input_ids, batch.loss_mask, batch.position_ids, batch.cu_seqlens, B=B,
-                   num_anchors=num_anchors, mask_token_id=mask_token_id, generator=generator, gamma=gamma,
-                         max_anchors=max_anchors)
+        tensors = (h.input_ids, h.loss_mask, positions_from_cu_seqlens(cu, int(h.input_ids.shape[0])), cu)
+    else:
+        tensors = (batch.input_ids, batch.loss_mask, batch.position_ids, batch.cu_seqlens)
+    blocks = _sample(*tensors, B=B, num_anchors=num_anchors, mask_token_id=mask_token_id, generator=generator,
+                     gamma=gamma, max_anchors=max_anchors)
+    return blocks.to(batch.input_ids.device)
 
 
 def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
