@@ -24,7 +24,7 @@ from dflash_cache.manifest import Manifest
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.reader import CacheReader
 from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
-from train.epochs import Position, SampleTable, SourceConfig
+from train.epochs import Position, SampleTable, SourceConfig, position_after
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,13 @@ class CacheSource:
         self.cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world)
+    def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
+        return self.table.epoch(self.config, epoch, self.rank, self.world, start)
+
+    def identity(self) -> dict[str, str]:
+        """What a resumed run must find again: the same samples in the same stored form."""
+        m = self.reader.manifest
+        return {"kind": "cache", "samples": self.table.digest(), "dataset": m.dataset_fingerprint, "codec": m.codec}
 
     def close(self) -> None:
         """Nothing to release: reader threads live only while `iterate` runs."""
@@ -59,27 +64,28 @@ class CacheSource:
         """From `start` on, epoch after epoch (forever if `epochs` is None). Reads run `prefetch`
         batches ahead across epoch boundaries too, so a new epoch starts without a bubble."""
         planned = self._planned(start, epochs)
-        pending: deque[tuple[int, int, Future]] = deque()
+        pending: deque[tuple[Position, Future]] = deque()
         with ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="dflash-cache-read") as pool:
             def refill() -> None:
                 while len(pending) < self.config.prefetch and (item := next(planned, None)) is not None:
-                    epoch, i, rows = item
-                    pending.append((epoch, i, pool.submit(self._read_host, rows)))
+                    position, rows = item
+                    pending.append((position, pool.submit(self._read_host, rows)))
 
             refill()
             while pending:
-                epoch, i, fut = pending.popleft()
+                position, fut = pending.popleft()
                 refill()
-                yield Position(epoch, i + 1), self._to_device(fut.result())
+                yield position, self._to_device(fut.result())
 
-    def _planned(self, start: Position, epochs: int | None) -> Iterator[tuple[int, int, np.ndarray]]:
+    def _planned(self, start: Position, epochs: int | None) -> Iterator[tuple[Position, np.ndarray]]:
+        """(position after the batch, its rows) of this rank from the global position `start` on."""
         epoch, first = start.epoch, start.batch
         while epochs is None or epoch < epochs:
-            plan = self.epoch_batches(epoch)
-            if not plan:  # every epoch plans the same number of batches: none ever
+            plan = self.epoch_batches(epoch, first)
+            if not plan and first == 0:  # every epoch plans the same number of batches: none ever
                 return
-            for i in range(first, len(plan)):
-                yield epoch, i, plan[i]
+            for i, rows in enumerate(plan):
+                yield position_after(epoch, first, i, self.world), rows
             epoch, first = epoch + 1, 0
 
     def _read_host(self, rows: np.ndarray) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from extract.pipeline import layout_batch
 from extract.planning import PlanConfig, buckets_of, plan_unit
 from extract.target import HiddenStateCapture
 from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
-from train.epochs import Position, SampleTable, SourceConfig
+from train.epochs import Position, SampleTable, SourceConfig, position_after
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_DEPTH = 60
@@ -78,8 +78,12 @@ class LiveSource:
         self.profiler = profiler or StageProfiler(None)
         self.tee = tee
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world)
+    def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
+        return self.table.epoch(self.config, epoch, self.rank, self.world, start)
+
+    def identity(self) -> dict[str, str]:
+        """What a resumed run must find again: the same samples of the same dataset."""
+        return {"kind": "live", "samples": self.table.digest(), "dataset": self.dataset.fingerprint}
 
     def close(self) -> None:
         """Wait for the tee's writes and index the cache it made."""
@@ -92,23 +96,23 @@ class LiveSource:
     def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
         epoch, first = start.epoch, start.batch
         while epochs is None or epoch < epochs:
-            plan = self.epoch_batches(epoch)
+            plan = self.epoch_batches(epoch, first)
             # Closed explicitly: a consumer that stops early must find the workers stopped and
             # joined, not still running forwards that the next source would race with.
-            with contextlib.closing(self._run_epoch(plan, first)) as made_batches:
+            with contextlib.closing(self._run_epoch(plan)) as made_batches:
                 for i, made in made_batches:
                     if made.ready is not None:
                         stream = torch.cuda.current_stream(self.device)
                         stream.wait_event(made.ready)
                         made.batch.features.record_stream(stream)
-                    if self.tee is not None and epoch == 0:
-                        self.tee(i, made.batch, made.ready)
-                    yield Position(epoch, i + 1), made.batch
+                    if self.tee is not None and epoch == 0:  # the batch's global index in the epoch
+                        self.tee(first + i * self.world + self.rank, made.batch, made.ready)
+                    yield position_after(epoch, first, i, self.world), made.batch
             epoch, first = epoch + 1, 0
 
-    def _run_epoch(self, plan: list[np.ndarray], first: int) -> Iterator[tuple[int, _Made]]:
+    def _run_epoch(self, plan: list[np.ndarray]) -> Iterator[tuple[int, _Made]]:
         n = len(self.captures)
-        jobs = list(range(first, len(plan)))
+        jobs = list(range(len(plan)))
         queues = [queue.Queue(maxsize=max(1, self.queue_depth // n)) for _ in range(n)]
         stop = threading.Event()
         threads = [threading.Thread(target=self._work, args=(k, plan, jobs[k::n], queues[k], stop),

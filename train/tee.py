@@ -76,8 +76,8 @@ class CacheTee:
         self._stream = None
         self._t0 = time.perf_counter()
 
-    def __call__(self, i: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
-        g = i * self.world + self.rank
+    def __call__(self, g: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
+        """Write epoch 0's global batch `g` as segment (0, g), unless it is committed already."""
         if segment_name(0, g) in self.committed:
             return
         if batch.features.is_cuda:
