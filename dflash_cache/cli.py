@@ -105,49 +105,68 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
     run_extract(cfg, gpus, echo=click.echo)
 
 
+_POSITIVE = click.IntRange(min=1)
+
+
 @cli.command()
 @click.option("--cache", type=click.Path(), default=None, help="A cache made by `dflash-cache extract`.")
 @click.option("--live", is_flag=True, help="No cache: run the target beside the drafter (needs --data).")
 @click.option("--target", required=True, help="The target (local directory or 'tiny'); with --cache, the one it was made with.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory: checkpoints, metrics, export.")
-@click.option("--block-size", default=16, show_default=True)
-@click.option("--draft-layers", default=5, show_default=True)
-@click.option("--num-anchors", default=512, show_default=True, help="Anchors sampled per sequence at most.")
-@click.option("--max-anchors", type=int, default=None,
+@click.option("--block-size", type=click.IntRange(min=2), default=16, show_default=True,
+              help="Tokens per draft block: the anchor plus block-size - 1 predicted tokens.")
+@click.option("--draft-layers", type=_POSITIVE, default=5, show_default=True, help="Decoder layers of the drafter.")
+@click.option("--num-anchors", type=_POSITIVE, default=512, show_default=True, help="Anchors sampled per sequence at most.")
+@click.option("--max-anchors", type=_POSITIVE, default=None,
               help="Anchors per packed batch at most (default: no cap). Drafter memory grows with anchors x "
                    "block size, and a batch of many short samples can hold far more anchors than one of long ones.")
-@click.option("--epochs", default=6, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Stop after this many optimiser steps.")
-@click.option("--lr", default=6e-4, show_default=True)
-@click.option("--token-budget", default=32768, show_default=True, help="Real tokens per packed batch.")
-@click.option("--sliding-window", type=int, default=None, help="Make every drafter layer sliding-window with this size.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--save-every", default=500, show_default=True, help="Checkpoint every N steps (and at exit).")
-@click.option("--log-every", default=10, show_default=True)
+@click.option("--epochs", type=_POSITIVE, default=6, show_default=True, help="Passes over the data.")
+@click.option("--max-steps", type=_POSITIVE, default=None, help="Stop after this many optimiser steps.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=6e-4, show_default=True,
+              help="Peak learning rate (AdamW; linear warm-up, then cosine decay to 0).")
+@click.option("--token-budget", type=_POSITIVE, default=32768, show_default=True, help="Real tokens per packed batch.")
+@click.option("--sliding-window", type=_POSITIVE, default=None,
+              help="Make every drafter layer sliding-window attention with this many tokens.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seeds the drafter's initial weights, the epoch order and the anchors.")
+@click.option("--save-every", type=_POSITIVE, default=500, show_default=True, help="Checkpoint every N steps (and at exit).")
+@click.option("--keep-checkpoints", type=_POSITIVE, default=2, show_default=True,
+              help="Newest checkpoints kept; older ones are deleted once a newer one is complete.")
+@click.option("--log-every", type=_POSITIVE, default=10, show_default=True,
+              help="Log loss, tau_hat and tokens/s every N steps (to the log and OUT/metrics.jsonl).")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --out.")
 @click.option("--device", default="auto", show_default=True, help="Drafter device: 'auto', 'cpu' or 'cuda[:i]'.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Train on a cache whose extraction has not finished (only the committed segments).")
+@click.option("--prefetch", type=_POSITIVE, default=4, show_default=True, help="Batches read ahead of training.")
+@click.option("--read-threads", type=_POSITIVE, default=4, show_default=True, help="Threads reading the cache.")
 @click.option("--data", default=None, help="--live: the tokenized dataset (as for extract), or 'demo'.")
-@click.option("--limit", type=int, default=None, help="--live: only the first N rows.")
-@click.option("--max-len", type=int, default=None, help="--live: longest row kept (longer rows are truncated).")
-@click.option("--num-target-layers", default=5, show_default=True, help="--live: target layers to capture.")
+@click.option("--limit", type=_POSITIVE, default=None, help="--live: only the first N rows.")
+@click.option("--max-len", type=_POSITIVE, default=None, help="--live: longest row kept (longer rows are truncated).")
+@click.option("--num-target-layers", type=_POSITIVE, default=5, show_default=True, help="--live: target layers to capture.")
 @click.option("--layers", default=None, help="--live: explicit target layer ids, e.g. 1,9,17,25,33.")
 @click.option("--target-gpus", default="same", show_default=True,
               help="--live: 'same' (the drafter's device), 'cpu', or GPU indices like 0,1 (one worker each).")
-@click.option("--queue-depth", default=60, show_default=True, help="--live: batches buffered between target and drafter.")
-@click.option("--target-token-budget", default=49152, show_default=True,
+@click.option("--queue-depth", type=_POSITIVE, default=60, show_default=True,
+              help="--live: batches buffered between target and drafter.")
+@click.option("--target-token-budget", type=_POSITIVE, default=49152, show_default=True,
               help="--live: padded tokens per target forward (planned as extract plans its batches).")
-@click.option("--target-max-rows", default=64, show_default=True, help="--live: rows per target forward at most.")
+@click.option("--target-max-rows", type=_POSITIVE, default=64, show_default=True,
+              help="--live: rows per target forward at most.")
 @click.option("--write-cache", type=click.Path(file_okay=False), default=None,
               help="--live: also commit epoch 0's features to this cache (train offline from it later).")
-@click.option("--write-codec", type=click.Choice(["none", "bf16", "fp8"]), default="bf16", show_default=True)
-@click.option("--profile-interval", type=float, default=None,
+@click.option("--write-codec", type=click.Choice(["none", "bf16", "fp8"]), default="bf16", show_default=True,
+              help="--live: the codec of --write-cache.")
+@click.option("--profile-interval", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Seconds between stage-timing reports (or DFLASH_PROFILE_INTERVAL).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def train(cache, live, target, out, block_size, draft_layers, num_anchors, max_anchors, epochs, max_steps, lr, token_budget,
-          sliding_window, seed, save_every, log_every, resume, device, data, limit, max_len, num_target_layers,
-          layers, target_gpus, queue_depth, target_token_budget, target_max_rows, write_cache, write_codec, profile_interval,
+def train(cache, live, target, out, block_size, draft_layers, num_anchors, max_anchors, epochs, max_steps, lr,
+          token_budget, sliding_window, seed, save_every, keep_checkpoints, log_every, resume, device,
+          allow_incomplete, prefetch, read_threads, data, limit, max_len, num_target_layers, layers, target_gpus,
+          queue_depth, target_token_budget, target_max_rows, write_cache, write_codec, profile_interval,
           no_progress) -> None:
     """Phase 2: train a DFlash drafter from a cache (or --live from the target); exports to OUT/export."""
+    from train.interrupt import TrainingInterrupted
     from train.trainer import LiveConfig, TrainConfig
     from train.trainer import train as run_train
 
@@ -160,13 +179,18 @@ def train(cache, live, target, out, block_size, draft_layers, num_anchors, max_a
                               forward_token_budget=target_token_budget, forward_max_rows=target_max_rows,
                               write_cache=write_cache, write_codec=write_codec)
     cfg = TrainConfig(cache=cache, live=live_cfg, target=target, out=out, block_size=block_size,
-                      draft_layers=draft_layers, num_anchors=num_anchors, max_anchors=max_anchors, epochs=epochs, max_steps=max_steps, lr=lr,
-                      token_budget=token_budget, sliding_window=sliding_window, seed=seed, save_every=save_every,
-                      log_every=log_every, resume=resume, profile_interval=profile_interval, progress=not no_progress)
+                      draft_layers=draft_layers, num_anchors=num_anchors, max_anchors=max_anchors, epochs=epochs,
+                      max_steps=max_steps, lr=lr, token_budget=token_budget, sliding_window=sliding_window,
+                      seed=seed, save_every=save_every, keep_checkpoints=keep_checkpoints, log_every=log_every,
+                      resume=resume, allow_incomplete=allow_incomplete, prefetch=prefetch,
+                      read_threads=read_threads, profile_interval=profile_interval, progress=not no_progress)
     try:
         last = run_train(cfg, device)
+    except TrainingInterrupted as e:
+        click.echo(f"Interrupted: checkpoint saved at step {e.step}; continue with --resume.", err=True)
+        sys.exit(130)
     except KeyboardInterrupt:
-        click.echo("Interrupted: checkpoint saved; continue with --resume.", err=True)
+        click.echo("Stopped without saving the last steps; --resume continues from the last checkpoint.", err=True)
         sys.exit(130)
     if last:
         click.echo(f"done: step {last['step']}, loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}; "
@@ -228,33 +252,50 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
 
 @cli.command()
 @click.argument("cache", type=click.Path())
-@click.option("--verify", "do_verify", is_flag=True, help="Decode every chunk and cross-check; exit 1 on problems.")
+@click.option("--verify", "do_verify", is_flag=True,
+              help="Decode every chunk and cross-check; exit 1 on damage or an incomplete cache.")
+@click.option("--repair", is_flag=True,
+              help="With --verify: un-commit damaged segments (and rewrite the index) so the next extract redoes them.")
 @click.option("--sample", "sample_id", type=int, default=None, help="Show one sample by id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(cache: str, do_verify: bool, sample_id: int | None, as_json: bool) -> None:
+def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as_json: bool) -> None:
     """What is in a cache: summary, buckets, missing units, samples, verification."""
-    from dflash_cache.inspect import describe_sample, format_sample, format_summary, summarize, verify
-    from dflash_cache.reader import CacheReader
+    import contextlib
 
-    reader = CacheReader(cache)
-    out = summarize(reader)
-    if sample_id is not None:
-        out["sample"] = describe_sample(reader, sample_id)
-    problems = None
-    if do_verify:
-        problems = verify(reader)
-        out["verify"] = {"ok": not problems, "problems": problems}
+    from dflash_cache.inspect import (
+        describe_sample,
+        format_sample,
+        format_summary,
+        format_verification,
+        summarize,
+        verification,
+    )
+    from dflash_cache.lock import CacheLock
+    from dflash_cache.reader import CacheReader
+    from dflash_cache.repair import is_half_made
+
+    if repair and not do_verify:
+        raise UserError("--repair works on what verification finds: pass --verify --repair")
+    if is_half_made(Path(cache)):
+        raise UserError(f"cache {cache} was interrupted while being created; run the extract command again to make it")
+    reader = CacheReader(cache)  # checks the path before a repair's lock could create anything there
+    with CacheLock(Path(cache), flag=None) if repair else contextlib.nullcontext():
+        if repair:  # read again under the lock: no writer can change the cache while it is repaired
+            reader = CacheReader(cache)
+        out = summarize(reader)
+        if sample_id is not None:
+            out["sample"] = describe_sample(reader, sample_id)
+        if do_verify:
+            out["verify"] = verification(reader, repair=repair)
     if as_json:
         click.echo(json.dumps(out, indent=1))
     else:
         click.echo(format_summary(out))
         if sample_id is not None:
             click.echo(format_sample(out["sample"]))
-        if problems is not None:
-            click.echo(f"verify: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-            for p in problems:
-                click.echo(f"  {p}")
-    if problems:
+        if do_verify:
+            click.echo(format_verification(out["verify"]))
+    if do_verify and not out["verify"]["ok"]:
         sys.exit(1)
 
 

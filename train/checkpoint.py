@@ -3,35 +3,75 @@
     out/checkpoints/step_000500/
         drafter.safetensors     fp32 master weights
         optimizer.safetensors   AdamW moments, flattened by parameter name
-        rng.safetensors         torch CPU (and CUDA) RNG states and the anchor generator's state
-        state.json              step, source position, scheduler, optimizer hyper-parameters; written
-                                last, atomically: a checkpoint without it does not count
+        rng.safetensors         torch CPU (and CUDA) RNG states and the anchor generator's state, per rank
+        state.json              format version, step, global source position, world size, the run's
+                                identity (what decides the plan and the model), scheduler, optimizer
+                                hyper-parameters; written last: a checkpoint without it does not count
+
+A checkpoint is written under a temporary name, every file fsynced, then renamed into place; only
+then are checkpoints beyond the newest `keep` deleted, so the last good one is never removed before
+its successor is complete. A checkpoint that cannot be read (truncated file, malformed state) is
+reported as `UnreadableCheckpoint` so the trainer can fall back to the one before it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_cache.jsonio import read_json, write_json_atomic
+from dflash_cache.jsonio import fsync_dir, read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
+STATE_VERSION = 2
+TENSOR_FILES = ("drafter.safetensors", "optimizer.safetensors", "rng.safetensors")
+_PREFIX, _TMP_PREFIX, _OLD_PREFIX = "step_", ".tmp_step_", ".old_step_"
+
+
+class UnreadableCheckpoint(Exception):
+    """A checkpoint directory whose files are missing, truncated or malformed."""
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerState:
     step: int
     epoch: int          # source position: epoch ...
-    batch: int          # ... and batches of it consumed
+    batch: int          # ... and global batches of it consumed (all ranks together)
     tokens_seen: int
+    world: int          # processes that wrote it (a resume may use another number)
+    run: dict[str, Any]  # what decides the plan and the model; a resume must match it (see Trainer)
     scheduler: dict[str, Any]
     optimizer_hparams: list[dict[str, Any]]
+    version: int = STATE_VERSION
+
+    @classmethod
+    def from_json(cls, obj: Any, *, where: Path) -> TrainerState:
+        """The state, or UnreadableCheckpoint naming what is wrong (types checked: it comes from disk)."""
+        if not isinstance(obj, dict):
+            raise UnreadableCheckpoint(f"{where} is not a JSON object")
+        if obj.get("version") != STATE_VERSION:
+            raise UnreadableCheckpoint(f"{where} has state version {obj.get('version')!r}; this dflash-cache "
+                                       f"reads version {STATE_VERSION}")
+        kinds = {"step": int, "epoch": int, "batch": int, "tokens_seen": int, "world": int, "run": dict,
+                 "scheduler": dict, "optimizer_hparams": list, "version": int}
+        names = {f.name for f in fields(cls)}
+        for name in names:
+            value = obj.get(name)
+            if not isinstance(value, kinds[name]) or isinstance(value, bool):
+                raise UnreadableCheckpoint(f"{where}: field {name!r} is {value!r}, expected {kinds[name].__name__}")
+        if min(obj["step"], obj["epoch"], obj["batch"], obj["tokens_seen"]) < 0 or obj["world"] < 1:
+            raise UnreadableCheckpoint(f"{where}: negative step/position or world < 1")
+        return cls(**{k: obj[k] for k in names})
 
 
 def _names_in_optimizer_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -49,33 +89,86 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str
     return out
 
 
-def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: TrainerState, rng: dict[str, torch.Tensor]) -> Path:
-    names = _names_in_optimizer_order(model, optimizer)
-    final = directory / f"step_{state.step:07d}"
-    tmp = directory / f".tmp_step_{state.step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp / "drafter.safetensors")
-    save_file(_optimizer_tensors(optimizer, names), tmp / "optimizer.safetensors")
-    save_file({k: v.cpu().contiguous() for k, v in rng.items()}, tmp / "rng.safetensors")
-    write_json_atomic(tmp / STATE_FILE, asdict(state))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints (those with a state file), newest first."""
+    if not directory.is_dir():
+        return []
+    done = [p for p in directory.glob(f"{_PREFIX}*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(done, key=lambda p: p.name, reverse=True)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    done = sorted(p for p in directory.glob("step_*") if (p / STATE_FILE).is_file()) if directory.is_dir() else []
-    return done[-1] if done else None
+    done = list_checkpoints(directory)
+    return done[0] if done else None
 
 
-def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                    ) -> tuple[TrainerState, dict[str, torch.Tensor]]:
-    state = TrainerState(**read_json(path / STATE_FILE))
-    model.load_state_dict(load_file(path / "drafter.safetensors"))
+def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: TrainerState, rng: dict[str, torch.Tensor], keep: int = 2) -> Path:
+    """Write, fsync and rename a checkpoint into place, then keep only the newest `keep`."""
     names = _names_in_optimizer_order(model, optimizer)
-    flat = load_file(path / "optimizer.safetensors")
+    final = directory / f"{_PREFIX}{state.step:07d}"
+    tmp = directory / f"{_TMP_PREFIX}{state.step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {
+        "drafter.safetensors": {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        "optimizer.safetensors": _optimizer_tensors(optimizer, names),
+        "rng.safetensors": {k: v.cpu().contiguous() for k, v in rng.items()},
+    }
+    for name, content in tensors.items():
+        save_file(content, tmp / name)
+        _fsync_file(tmp / name)
+    write_json_atomic(tmp / STATE_FILE, asdict(state))  # fsyncs the file and tmp/
+    if final.exists():  # the same step again (a resume that trained nothing): replace it whole
+        old = directory / f"{_OLD_PREFIX}{state.step:07d}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    fsync_dir(directory)
+    for stale in list_checkpoints(directory)[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def read_state(path: Path) -> TrainerState:
+    try:
+        obj = read_json(path / STATE_FILE, max_bytes=64 << 20)
+    except (OSError, ValueError, RecursionError) as e:
+        raise UnreadableCheckpoint(f"{path / STATE_FILE} is unreadable ({type(e).__name__})") from None
+    return TrainerState.from_json(obj, where=path / STATE_FILE)
+
+
+def read_tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """All three tensor files, read fully before anything is applied (a bad file changes nothing)."""
+    out = {}
+    for name in TENSOR_FILES:
+        try:
+            out[name] = load_file(path / name)
+        except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+            raise UnreadableCheckpoint(f"{path / name} is unreadable ({type(e).__name__}: {e})") from None
+    return out
+
+
+def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], state: TrainerState, *, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Load model and optimizer state from `read_tensors`' result; returns the RNG tensors."""
+    try:
+        model.load_state_dict(tensors["drafter.safetensors"])
+    except RuntimeError as e:
+        raise UnreadableCheckpoint(f"drafter weights do not fit this drafter ({str(e).splitlines()[0]})") from None
+    names = _names_in_optimizer_order(model, optimizer)
+    flat = tensors["optimizer.safetensors"]
     device = next(model.parameters()).device
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for idx, name in enumerate(names):
@@ -84,7 +177,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
             opt_state[idx] = {k: (v if k == "step" else v.to(device)) for k, v in entries.items()}
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in state.optimizer_hparams]
     optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
-    return state, load_file(path / "rng.safetensors")
+    return tensors["rng.safetensors"]
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ the tee. Both load only the target's embedding and LM head for the drafter.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ from train.live_source import LiveSource, live_sample_table
 
 if TYPE_CHECKING:
     from train.trainer import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,13 @@ def _drafter_and_head(cfg: TrainConfig, target: TargetDescription, device: torch
 def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
     reader = CacheReader(cfg.cache)
     m = reader.manifest
+    if not reader.complete:
+        message = (f"cache {cfg.cache} is incomplete: {len(reader.records)} of {m.plan.num_segments} planned "
+                   "segments are committed")
+        if not cfg.allow_incomplete:
+            raise UserError(f"{message}; run the same `dflash-cache extract` again to finish it, or pass "
+                            "--allow-incomplete to train on what is there")
+        log.warning("%s; training on those (--allow-incomplete)", message)
     target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
                                         trust_remote_code=cfg.trust_remote_code))
     check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),

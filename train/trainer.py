@@ -15,28 +15,34 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import UserError
+from dflash_cache.jsonio import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from train.anchors import sample_anchors
 from train.batch import PackedBatch
 from train.cache_source import CacheSource
 from train.checkpoint import (
     TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
+    UnreadableCheckpoint,
+    apply_tensors,
+    list_checkpoints,
     optimizer_hparams,
+    read_state,
+    read_tensors,
     save_checkpoint,
 )
 from train.config import DrafterConfig
 from train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
 from train.epochs import Position
 from train.export import export_drafter
+from train.interrupt import DeferredInterrupt, TrainingInterrupted
 from train.live_source import LiveSource
 from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from train.masks import build_masks, context_doc_pos
@@ -83,8 +89,10 @@ class TrainConfig:
     token_budget: int = 32768
     seed: int = 0
     save_every: int = 500
+    keep_checkpoints: int = 2
     log_every: int = 10
     resume: bool = False
+    allow_incomplete: bool = False  # train on a cache that lacks some planned segments
     sliding_window: int | None = None
     mask_token_id: int | None = None
     loss_chunk: int = 4096
@@ -103,6 +111,17 @@ class TrainConfig:
             raise UserError("--block-size must be >= 2, --num-anchors and --draft-layers >= 1")
         if self.max_anchors is not None and self.max_anchors < 1:
             raise UserError(f"--max-anchors must be >= 1, got {self.max_anchors}")
+        for flag, value in (("--save-every", self.save_every), ("--log-every", self.log_every),
+                            ("--keep-checkpoints", self.keep_checkpoints), ("--token-budget", self.token_budget),
+                            ("--loss-chunk", self.loss_chunk)):
+            if value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"--max-steps must be at least 1, got {self.max_steps}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UserError(f"--sliding-window must be at least 1 token, got {self.sliding_window}")
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -160,6 +179,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000003 + rank)
         self.backend = "flex" if device.type == "cuda" else "dense"
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
+        self._window_start = time.perf_counter()  # the last host sync a logged rate is measured from
         self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
@@ -177,38 +197,77 @@ class Trainer:
             torch.distributed.all_gather_object(per_rank, own)
         return {f"{k}.rank{r}": v for r, states in enumerate(per_rank) for k, v in states.items()}
 
+    def run_identity(self) -> dict[str, Any]:
+        """What decides the epoch plan and the model: a resume must match it (checked by `restore`).
+        Keys are the options a user changes; values are JSON-normalised so they compare after a round trip."""
+        cfg = self.cfg
+        ident = {"--seed": cfg.seed, "--token-budget": cfg.token_budget, "--num-anchors": cfg.num_anchors,
+                 "--max-anchors": cfg.max_anchors, "--block-size": cfg.block_size,
+                 "--draft-layers": cfg.draft_layers, "--sliding-window": cfg.sliding_window,
+                 "--target (drafter shape)": asdict(self.drafter_cfg), "--cache/--data": self.source.identity()}
+        return json.loads(json.dumps(ident))
+
     def save(self) -> Path | None:
         """Checkpoint (all ranks call it; rank 0 writes)."""
         rng = self._rng_state()
         path = None
         if self.rank == 0:
             state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
-                                 tokens_seen=self.tokens_seen, scheduler=self.scheduler.state_dict(),
+                                 tokens_seen=self.tokens_seen, world=self.world, run=self.run_identity(),
+                                 scheduler=self.scheduler.state_dict(),
                                  optimizer_hparams=optimizer_hparams(self.optimizer))
             path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
-                                   state=state, rng=rng)
+                                   state=state, rng=rng, keep=self.cfg.keep_checkpoints)
             log.info("checkpoint %s", path)
         if self.world > 1:
             torch.distributed.barrier()
         return path
 
     def restore(self) -> bool:
-        path = latest_checkpoint(self.out / "checkpoints")
-        if path is None:
-            return False
-        state, rng = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
-        saved_world = sum(k.startswith("anchors.rank") for k in rng)
-        if saved_world != self.world:
-            raise UserError(f"checkpoint {path} was written by {saved_world} process(es); resume it with the "
-                            f"same number (this run has {self.world})")
+        """Load the newest readable checkpoint (falling back past unreadable ones, and saying so);
+        False if there is none. A checkpoint of a differently configured run is refused."""
+        candidates = list_checkpoints(self.out / "checkpoints")
+        for path in candidates:
+            try:
+                state = read_state(path)
+                check_same_run(state.run, self.run_identity(), path)
+                tensors = read_tensors(path)
+                rng = apply_tensors(tensors, state, model=self.model, optimizer=self.optimizer)
+            except UnreadableCheckpoint as e:
+                log.warning("checkpoint %s cannot be used (%s); falling back to the one before it", path.name, e)
+                continue
+            self._restore_from(path, state, rng)
+            return True
+        if candidates:
+            raise UserError(f"no checkpoint in {self.out / 'checkpoints'} is readable (see the warnings above); "
+                            "start a new run with another --out")
+        return False
+
+    def _restore_from(self, path: Path, state: TrainerState, rng: dict[str, torch.Tensor]) -> None:
         self.scheduler.load_state_dict(state.scheduler)
-        torch.set_rng_state(rng[f"torch_cpu.rank{self.rank}"])
-        self.generator.set_state(rng[f"anchors.rank{self.rank}"])
-        if f"torch_cuda.rank{self.rank}" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng[f"torch_cuda.rank{self.rank}"], self.device)
         self.step, self.position, self.tokens_seen = state.step, Position(state.epoch, state.batch), state.tokens_seen
-        log.info("resumed from %s (step %d, epoch %d, batch %d)", path, self.step, state.epoch, state.batch)
-        return True
+        if state.world == self.world:
+            torch.set_rng_state(rng[f"torch_cpu.rank{self.rank}"])
+            self.generator.set_state(rng[f"anchors.rank{self.rank}"])
+            if f"torch_cuda.rank{self.rank}" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng[f"torch_cuda.rank{self.rank}"], self.device)
+        else:
+            # Another process count: the batch order continues exactly from the global position; anchor
+            # draws cannot (they were per rank), so each rank re-seeds from (seed, step, rank).
+            self.generator.manual_seed((self.cfg.seed * 1000003 + self.step) * 1009 + self.rank)
+            if self.cfg.max_steps is None:
+                self.total_steps = self.step + self._remaining_steps()
+            log.warning("resuming a run of %d process(es) with %d: the batch order continues where it stopped; "
+                        "anchors are re-seeded and the schedule now ends at step %d", state.world, self.world,
+                        self.total_steps)
+        log.info("resumed from %s (step %d, epoch %d, batch %d of all ranks)", path, self.step, state.epoch,
+                 state.batch)
+
+    def _remaining_steps(self) -> int:
+        """This rank's steps from the current position to the end of the last epoch."""
+        per_epoch = self.source.batches_per_epoch()
+        rest = len(self.source.epoch_batches(self.position.epoch, self.position.batch))
+        return rest + per_epoch * max(0, self.cfg.epochs - self.position.epoch - 1)
 
     # --- the step ------------------------------------------------------------------------
     def train_step(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
@@ -241,51 +300,67 @@ class Trainer:
         return {"loss": loss.detach(), "acc": slot_accuracy(correct.reshape(valid.shape), valid).detach()}
 
     def fit(self) -> dict[str, float]:
-        """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics."""
+        """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics.
+
+        A SIGINT/SIGTERM stops the run at the next step boundary (every step with one process, at the
+        next logging step with several, where the ranks agree on it) with a checkpoint, raising
+        `TrainingInterrupted`; `--resume` then continues bit for bit.
+        """
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume and not self.restore():
             log.info("--resume: no checkpoint in %s, starting fresh", self.out / "checkpoints")
-        elif not cfg.resume and latest_checkpoint(self.out / "checkpoints") is not None:
+        elif not cfg.resume and list_checkpoints(self.out / "checkpoints"):
             raise UserError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
         metrics_path = self.out / "metrics.jsonl"
+        if self.rank == 0:
+            truncate_metrics(metrics_path, self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rank == 0))
         last: dict[str, float] = {}
         window: list[dict[str, torch.Tensor]] = []
-        t_window, tok_window = time.perf_counter(), 0
+        self._window_start, tok_window = time.perf_counter(), 0
         t_start, first_step = time.perf_counter(), True
         try:
-            for position, batch in self.source.iterate(self.position, epochs=None if cfg.max_steps else cfg.epochs):
-                if self.step >= self.total_steps:
-                    break
-                if first_step:
-                    t_batch = time.perf_counter()
-                window.append(self.train_step(batch))
-                if first_step:
-                    self._log_startup(t_start, t_batch)
-                    first_step = False
-                self.step, self.position = self.step + 1, position
-                self.tokens_seen += batch.num_tokens
-                tok_window += batch.num_tokens
-                self.profiler.add_tokens(batch.num_tokens)
-                self.profiler.maybe_report()
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    last = self._log(window, time.perf_counter() - t_window, tok_window, metrics_path)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_hat']:.2f}")
-                    window, t_window, tok_window = [], time.perf_counter(), 0
-                if self.step % cfg.save_every == 0:
-                    self.save()
+            with DeferredInterrupt() as interrupt:
+                for position, batch in self.source.iterate(self.position,
+                                                           epochs=None if cfg.max_steps else cfg.epochs):
+                    if self.step >= self.total_steps:
+                        break
+                    if first_step:
+                        t_batch = time.perf_counter()
+                    window.append(self.train_step(batch))
+                    if first_step:
+                        self._log_startup(t_start, t_batch)
+                        first_step = False
+                    self.step, self.position = self.step + 1, position
+                    self.tokens_seen += batch.num_tokens
+                    tok_window += batch.num_tokens
+                    self.profiler.add_tokens(batch.num_tokens)
+                    self.profiler.maybe_report()
+                    bar.update(1)
+                    stop = interrupt.requested if self.world == 1 else False
+                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                        last, stop = self._log(window, tok_window, metrics_path, interrupt.requested)
+                        bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_hat']:.2f}")
+                        window, tok_window = [], 0
+                    if stop:
+                        path = self.save()
+                        raise TrainingInterrupted(self.step, str(path) if path else None)
+                    if self.step % cfg.save_every == 0:
+                        self.save()
+        except TrainingInterrupted:
+            log.warning("stopped at step %d with a checkpoint; continue with --resume", self.step)
+            raise
         except KeyboardInterrupt:
-            log.warning("interrupted at step %d: saving a checkpoint", self.step)
-            self.save()
+            log.warning("stopped at once: no checkpoint for the steps since the last one; --resume continues "
+                        "from that one")
             raise
         finally:
             bar.close()
             self.source.close()
         if window:
-            last = self._log(window, time.perf_counter() - t_window, tok_window, metrics_path)
+            last, _ = self._log(window, tok_window, metrics_path, False)
         self.save()
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
@@ -300,16 +375,25 @@ class Trainer:
         log.info("start-up: %sfirst batch %.1fs, first step %.1fs (compilation included)", build,
                  t_batch - t_start, now - t_batch)
 
-    def _log(self, window: list[dict[str, torch.Tensor]], seconds: float, tokens: int, path: Path) -> dict[str, float]:
-        """Average the window's metrics (over ranks too: one collective per log step) and record them."""
+    def _log(self, window: list[dict[str, torch.Tensor]], tokens: int, path: Path,
+             stop_requested: bool) -> tuple[dict[str, float], bool]:
+        """Average the window's metrics (over ranks too: one collective per log step) and record them.
+
+        Tokens/s is measured between two host syncs (the `.cpu()` below waits for every step queued
+        before it), so it is the device's real rate, not how fast the host queued work. The stop flag
+        rides in the same all-reduce: every rank stops at the same step if any was signalled.
+        """
         stats = torch.cat([torch.stack([w["loss"] for w in window]).mean()[None],
-                           torch.stack([w["acc"] for w in window]).mean(0)])
+                           torch.stack([w["acc"] for w in window]).mean(0),
+                           torch.tensor([float(stop_requested)], device=window[0]["loss"].device)])
         if self.world > 1:
             torch.distributed.all_reduce(stats)
-            stats /= self.world
+            stats[:-1] /= self.world
             tokens *= self.world
         stats = stats.cpu()
-        loss, acc = float(stats[0]), stats[2:]
+        now = time.perf_counter()
+        seconds, self._window_start = now - self._window_start, now
+        loss, acc, stop = float(stats[0]), stats[1:-1], bool(stats[-1] > 0)
         row = {"step": self.step, "epoch": self.position.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
                "tokens_per_s": tokens / max(seconds, 1e-9), "tokens_seen": self.tokens_seen}
@@ -318,21 +402,85 @@ class Trainer:
                 f.write(json.dumps(row) + "\n")
             log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", self.step, loss,
                      row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
-        return row
+        return row, stop
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows after `step` (those of steps a resume will redo), atomically."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a killed run
+    if len(kept) != len(lines):
+        write_bytes_atomic(path, "".join(f"{line}\n" for line in kept).encode())
+
+
+def _first_difference(saved: Any, current: Any, key: str) -> tuple[str, Any, Any]:
+    """The innermost field where two JSON values differ, as (dotted name, saved, current)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for k in sorted(set(saved) | set(current)):
+            if saved.get(k) != current.get(k):
+                return _first_difference(saved.get(k), current.get(k), f"{key} {k}")
+    return key, saved, current
+
+
+def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse to resume a checkpoint whose plan- or model-deciding settings differ, naming the option."""
+    for option in sorted(set(saved) | set(current)):
+        if saved.get(option) != current.get(option):
+            name, old, new = _first_difference(saved.get(option), current.get(option), option)
+            raise UserError(f"--resume: {path.name} was trained with {name} = {old!r}, this run has {new!r}; "
+                            f"resume with the same {option.split()[0]}, or train into another --out")
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    """--device: 'auto' (the GPU if there is one), 'cpu', 'cuda' or 'cuda:i'; a wrong one is a UserError."""
+    if spec == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise UserError(f"--device {spec!r}: only cpu and cuda devices are supported")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {spec}: no CUDA device is visible; use --device cpu")
+    index = local_rank if dev.index is None else dev.index
+    if index >= count:
+        raise UserError(f"--device {spec}: {count} CUDA device(s) visible, so valid indices are 0..{count - 1}")
+    return torch.device("cuda", index)
+
+
+def check_writable(out: Path) -> None:
+    """Fail in a second, not after minutes of set-up, when --out cannot be written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be written ({e.strerror or e}); choose a writable directory") from None
 
 
 def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
     """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available() and device != "cpu"
+    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0)
+    if rank == 0:
+        check_writable(Path(cfg.out))
     if world > 1:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        dev = torch.device("cuda", local) if cuda else torch.device("cpu")
-        if cuda:
+        if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    else:
-        dev = torch.device("cuda" if cuda else "cpu") if device == "auto" else torch.device(device)
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     try:
         return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
     finally:

@@ -45,30 +45,80 @@ def test_training_lowers_loss_and_learns_slot_one(trained_demo_run):
     assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
-def test_resume_reproduces_an_uninterrupted_run_bit_for_bit(demo_cache, tmp_path, monkeypatch):
+def _straight(demo_cache: Path, out: Path, **kw) -> list[tuple]:
     import torch
 
-    cpu = torch.device("cpu")
-    Trainer.build(_cfg(demo_cache, tmp_path / "a", max_steps=12), device=cpu).fit()
-    straight = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "a")]
+    Trainer.build(_cfg(demo_cache, out, max_steps=12, **kw), device=torch.device("cpu")).fit()
+    return [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(out)]
 
+
+@pytest.fixture(scope="module")
+def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
+    """Metrics of 12 uninterrupted steps, the reference every resumed run must reproduce."""
+    return _straight(demo_cache, tmp_path_factory.mktemp("straight") / "run")
+
+
+# Where a Ctrl-C lands inside step 6: after the anchors advanced the RNG, inside the loss, and
+# between the gradient clip and the optimizer step (weights not yet updated).
+INTERRUPT_POINTS = {
+    "anchors": ("train.trainer.sample_anchors", None),
+    "loss": ("train.trainer.chunked_weighted_ce", None),
+    "optimizer": ("torch.nn.utils.clip_grad_norm_", None),
+}
+
+
+@pytest.mark.parametrize("where", sorted(INTERRUPT_POINTS))
+def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, monkeypatch, straight_run, where):
+    import signal
+
+    import torch
+
+    from train.interrupt import TrainingInterrupted
+
+    target = INTERRUPT_POINTS[where][0]
+    module_name, attr = target.rsplit(".", 1)
+    module = __import__(module_name, fromlist=[attr])
+    real = getattr(module, attr)
     calls = {"n": 0}
-    real_step = Trainer.train_step
 
-    def interrupted(self, batch):
+    def interrupted(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 6:
-            raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, in the middle of step 6
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, attr, interrupted)
+    with pytest.raises(TrainingInterrupted) as info:
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12), device=torch.device("cpu")).fit()
+    assert info.value.step == 6, "the step in flight is finished, then saved"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+    monkeypatch.setattr(module, attr, real)
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, resume=True), device=torch.device("cpu")).fit()
+    resumed = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)]
+    assert resumed == straight_run, "same losses and accuracies, each step logged once"
+
+
+def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypatch, straight_run):
+    """A crash after the last checkpoint leaves metric rows of steps that the resume redoes."""
+    import torch
+
+    real_step = Trainer.train_step
+    calls = {"n": 0}
+
+    def crashing(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 11:
+            raise RuntimeError("simulated crash")
         return real_step(self, batch)
 
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer.build(_cfg(demo_cache, tmp_path / "b", max_steps=12), device=cpu).fit()
+    monkeypatch.setattr(Trainer, "train_step", crashing)
+    with pytest.raises(RuntimeError):
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4), device=torch.device("cpu")).fit()
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 11))
     monkeypatch.setattr(Trainer, "train_step", real_step)
-    Trainer.build(_cfg(demo_cache, tmp_path / "b", max_steps=12, resume=True), device=cpu).fit()
-    resumed = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path / "b")]
-    assert [s for s, *_ in resumed] == list(range(1, 13))
-    assert resumed == straight
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4, resume=True),
+                  device=torch.device("cpu")).fit()
+    assert [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)] == straight_run
 
 
 def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
@@ -141,3 +191,32 @@ def test_cache_from_another_checkpoint_of_the_same_architecture_is_refused(tmp_p
     r = CliRunner().invoke(cli, ["train", "--cache", str(cache), "--target", str(tmp_path / "b"),
                                  "--out", str(tmp_path / "run"), "--max-steps", "1", "--device", "cpu"])
     assert r.exit_code == 2 and "target.weights_fingerprint" in r.output, r.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--save-every", "0"], "--save-every"),
+    (["--log-every", "0"], "--log-every"),
+    (["--lr", "-1"], "--lr"),
+    (["--sliding-window", "-3"], "--sliding-window"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+    (["--device", "banana"], "--device"),
+    (["--device", "cuda"], "--device"),
+])
+def test_bad_train_options_are_one_line_exit_2(demo_cache, tmp_path, args, says):
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out",
+                                 str(tmp_path / "run"), "--max-steps", "1", "--no-progress", *args])
+    assert r.exit_code == 2, r.output
+    assert says in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir()), "nothing written"
+
+
+def test_unwritable_out_fails_before_set_up(demo_cache, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out",
+                                 str(blocker / "run"), "--max-steps", "1", "--device", "cpu", "--no-progress"])
+    assert r.exit_code == 2 and "cannot be written" in r.output, r.output

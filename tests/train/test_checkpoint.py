@@ -1,0 +1,169 @@
+"""Checkpoints: a resume must match the run, unreadable checkpoints fall back, only the newest k stay."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_cache.cli import cli
+from tests.train.conftest import demo_train_config
+from train.checkpoint import list_checkpoints
+from train.trainer import Trainer
+
+CPU = torch.device("cpu")
+
+
+def _run(cache: Path, out: Path, **kw) -> dict:
+    return Trainer.build(demo_train_config(cache, out, **kw), device=CPU).fit()
+
+
+def _steps(out: Path) -> list[int]:
+    return [int(p.name.split("_")[1]) for p in list_checkpoints(out / "checkpoints")]
+
+
+@pytest.fixture(scope="module")
+def two_step_run(demo_cache, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two") / "run"
+    _run(demo_cache, out, max_steps=2)
+    return out
+
+
+def _cli_train(cache: Path, out: Path, *extra: str):
+    args = ["train", "--cache", str(cache), "--target", "tiny", "--out", str(out), "--block-size", "8",
+            "--draft-layers", "2", "--num-anchors", "16", "--token-budget", "2048", "--max-steps", "3",
+            "--device", "cpu", "--no-progress", "--resume", *extra]
+    return CliRunner().invoke(cli, args)
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--token-budget", "1024", "--token-budget"),
+    ("--seed", "1", "--seed"),
+    ("--draft-layers", "3", "--draft-layers"),
+    ("--block-size", "4", "--block-size"),
+    ("--num-anchors", "8", "--num-anchors"),
+    ("--sliding-window", "64", "--sliding-window"),
+])
+def test_resume_with_a_changed_option_is_refused_naming_it(demo_cache, two_step_run, tmp_path, flag, value, named):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
+                                 *_drop(_base_args(), flag), flag, value, "--resume"])
+    assert r.exit_code == 2, r.output
+    assert named in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert _steps(out) == [2], "nothing was trained"
+
+
+def _base_args() -> list[str]:
+    return ["--block-size", "8", "--draft-layers", "2", "--num-anchors", "16", "--token-budget", "2048",
+            "--max-steps", "3", "--device", "cpu", "--no-progress"]
+
+
+def _drop(args: list[str], flag: str) -> list[str]:
+    if flag not in args:
+        return args
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+def test_resume_against_another_cache_is_refused(demo_cache, two_step_run, tmp_path):
+    other = tmp_path / "cache"
+    shutil.copytree(demo_cache, other)
+    first = sorted((other / "commits").iterdir())[0]
+    first.unlink()  # the other cache lacks one segment: other samples, so another plan
+    (other / "index.parquet").unlink()
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    r = CliRunner().invoke(cli, ["train", "--cache", str(other), "--target", "tiny", "--out", str(out),
+                                 *_base_args(), "--resume", "--allow-incomplete"])
+    assert r.exit_code == 2 and "--cache/--data" in r.output, r.output
+
+
+def test_an_incomplete_cache_needs_allow_incomplete(demo_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(demo_cache, cache)
+    sorted((cache / "commits").iterdir())[-1].unlink()
+    r = CliRunner().invoke(cli, ["train", "--cache", str(cache), "--target", "tiny", "--out", str(tmp_path / "a"),
+                                 *_base_args()])
+    assert r.exit_code == 2 and "incomplete" in r.output and "--allow-incomplete" in r.output, r.output
+    r = CliRunner().invoke(cli, ["train", "--cache", str(cache), "--target", "tiny", "--out", str(tmp_path / "b"),
+                                 *_drop(_base_args(), "--max-steps"), "--max-steps", "1", "--allow-incomplete"])
+    assert r.exit_code == 0, r.output
+
+
+def test_only_the_newest_checkpoints_are_kept(demo_cache, tmp_path):
+    _run(demo_cache, tmp_path, max_steps=5, save_every=1, keep_checkpoints=2)
+    assert _steps(tmp_path) == [5, 4]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")], "no temporary left"
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "malformed state"])
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(demo_cache, tmp_path, caplog, damage):
+    _run(demo_cache, tmp_path, max_steps=4, save_every=2)
+    newest = tmp_path / "checkpoints" / "step_0000004"
+    if damage == "truncated weights":
+        data = (newest / "drafter.safetensors").read_bytes()
+        (newest / "drafter.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        (newest / "state.json").write_text('{"step": "four"')
+    with caplog.at_level(logging.WARNING, logger="train.trainer"):
+        _run(demo_cache, tmp_path, max_steps=5, save_every=2, resume=True)
+    assert any("step_0000004" in m and "falling back" in m for m in caplog.messages), caplog.messages
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], "steps 3-4 were redone from step 2, each logged once"
+
+
+def test_no_readable_checkpoint_is_one_line(demo_cache, two_step_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    for ckpt in (out / "checkpoints").iterdir():
+        (ckpt / "state.json").write_text("[]")
+    r = _cli_train(demo_cache, out)
+    assert r.exit_code == 2 and "no checkpoint" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_resume_with_another_process_count_continues_from_the_global_position(demo_cache, tmp_path, caplog):
+    _run(demo_cache, tmp_path, max_steps=3)
+    state_path = tmp_path / "checkpoints" / "step_0000003" / "state.json"
+    state = json.loads(state_path.read_text())
+    state["world"] = 3  # as if three processes had trained: position 3 = one batch each
+    state_path.write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING, logger="train.trainer"):
+        trainer = Trainer.build(demo_train_config(demo_cache, tmp_path, resume=True, epochs=1), device=CPU)
+        assert trainer.restore()
+    assert trainer.position.batch == 3 and trainer.step == 3
+    assert trainer.total_steps == 3 + trainer.source.batches_per_epoch() - 3
+    assert any("resuming a run of 3 process(es) with 1" in m for m in caplog.messages)
+
+
+def test_logged_tokens_per_second_waits_for_the_device(demo_cache, tmp_path, monkeypatch):
+    """The rate must include the wait for queued device work (the host runs ahead on a GPU). A CPU
+    does not run ahead, so the test makes the metrics' host copy slow, as a busy GPU would."""
+    import time
+
+    real_cpu, real_log = torch.Tensor.cpu, Trainer._log
+    state = {"in_log": False}
+
+    def slow_cpu(self, *a, **k):
+        if state["in_log"]:
+            time.sleep(1.0)
+        return real_cpu(self, *a, **k)
+
+    def logging_step(self, *a, **k):
+        state["in_log"] = True
+        try:
+            return real_log(self, *a, **k)
+        finally:
+            state["in_log"] = False
+
+    monkeypatch.setattr(torch.Tensor, "cpu", slow_cpu)
+    monkeypatch.setattr(Trainer, "_log", logging_step)
+    _run(demo_cache, tmp_path, max_steps=2, log_every=1)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    tokens = [r["tokens_seen"] for r in rows]
+    assert rows[1]["tokens_per_s"] * 1.0 <= tokens[1] - tokens[0], "the second window lasted at least 1 s"
