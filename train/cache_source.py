@@ -49,6 +49,9 @@ class CacheSource:
     def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         return self.table.epoch(self.config, epoch, self.rank, self.world, start)
 
+    def longest_sample(self) -> int:
+        return int(self.table.lengths.max(initial=0))
+
     def identity(self) -> dict[str, str]:
         """What a resumed run must find again: the same samples in the same stored form."""
         m = self.reader.manifest

@@ -50,6 +50,7 @@ class TrainerState:
     tokens_seen: int
     world: int          # processes that wrote it (a resume may use another number)
     run: dict[str, Any]  # what decides the plan and the model; a resume must match it (see Trainer)
+    anchor_cap: int     # anchors per batch at most, as resolved from --max-anchors or the memory at hand
     scheduler: dict[str, Any]
     optimizer_hparams: list[dict[str, Any]]
     version: int = STATE_VERSION
@@ -63,6 +64,7 @@ class TrainerState:
             raise UnreadableCheckpoint(f"{where} has state version {obj.get('version')!r}; this dflash-cache "
                                        f"reads version {STATE_VERSION}")
         kinds = {"step": int, "epoch": int, "batch": int, "tokens_seen": int, "world": int, "run": dict,
+                 "anchor_cap": int,
                  "scheduler": dict, "optimizer_hparams": list, "version": int}
         names = {f.name for f in fields(cls)}
         for name in names:

@@ -81,6 +81,9 @@ class LiveSource:
     def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         return self.table.epoch(self.config, epoch, self.rank, self.world, start)
 
+    def longest_sample(self) -> int:
+        return int(self.table.lengths.max(initial=0))
+
     def identity(self) -> dict[str, str]:
         """What a resumed run must find again: the same samples of the same dataset."""
         return {"kind": "live", "samples": self.table.digest(), "dataset": self.dataset.fingerprint}

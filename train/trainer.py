@@ -46,6 +46,7 @@ from train.interrupt import DeferredInterrupt, TrainingInterrupted
 from train.live_source import LiveSource
 from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from train.masks import build_masks, context_doc_pos
+from train.memory import fit_max_anchors
 
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
@@ -155,6 +156,9 @@ class Trainer:
         self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
         self.out = Path(cfg.out)
         self.source, self.drafter_cfg = source, drafter_cfg
+        # Before the drafter is allocated: the free memory it is measured against still includes it.
+        self.max_anchors = fit_max_anchors(drafter_cfg, device, max_anchors=cfg.max_anchors,
+                                           context_tokens=max(cfg.token_budget, source.longest_sample()))
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
@@ -214,6 +218,7 @@ class Trainer:
         if self.rank == 0:
             state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
                                  tokens_seen=self.tokens_seen, world=self.world, run=self.run_identity(),
+                                 anchor_cap=self.max_anchors,
                                  scheduler=self.scheduler.state_dict(),
                                  optimizer_hparams=optimizer_hparams(self.optimizer))
             path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
@@ -245,6 +250,8 @@ class Trainer:
 
     def _restore_from(self, path: Path, state: TrainerState, rng: dict[str, torch.Tensor]) -> None:
         self.scheduler.load_state_dict(state.scheduler)
+        if self.cfg.max_anchors is None:  # the cap found at the start, unless less memory is free now
+            self.max_anchors = min(self.max_anchors, state.anchor_cap)
         self.step, self.position, self.tokens_seen = state.step, Position(state.epoch, state.batch), state.tokens_seen
         if state.world == self.world:
             torch.set_rng_state(rng[f"torch_cpu.rank{self.rank}"])
@@ -274,7 +281,7 @@ class Trainer:
         cfg, dcfg = self.cfg, self.drafter_cfg
         with self.profiler.span("dflash.anchors"):
             blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                                    max_anchors=cfg.max_anchors,
+                                    max_anchors=self.max_anchors,
                                     mask_token_id=dcfg.mask_token_id, generator=self.generator)
         with self.profiler.span("dflash.create_block_mask"):
             ctx_doc, ctx_pos = context_doc_pos(batch)

@@ -1,0 +1,36 @@
+"""The step-memory model: defaults fit the machine, settings that cannot fit are refused with what fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import bench_drafter_config
+from dflash_cache.errors import UserError
+from train.memory import GIB, fit_max_anchors, step_memory
+
+QWEN3_8B = bench_drafter_config(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, layers=5,
+                                block=16, layer_ids=(1, 9, 17, 25, 33))
+CUDA = torch.device("cuda")
+
+
+def test_the_model_grows_with_block_and_context_tokens():
+    m = step_memory(QWEN3_8B, CUDA)
+    assert 16 * 1.0e9 < m.fixed < 22e9, "fp32 weights, grads and two moments of ~1.05B parameters, plus the head"
+    assert m.bytes(2048, 16, 12288) > m.bytes(1024, 16, 12288) > m.bytes(1024, 16, 4096)
+    assert step_memory(QWEN3_8B, torch.device("cpu")).per_query > m.per_query, "fp32 activations on a CPU"
+
+
+def test_default_cap_fits_an_80_gb_gpu_and_an_explicit_excess_is_refused_with_what_fits():
+    room = int(79 * GIB * 0.85)
+    cap = fit_max_anchors(QWEN3_8B, CUDA, context_tokens=32768, max_anchors=None, available=room)
+    m = step_memory(QWEN3_8B, CUDA)
+    assert 256 < cap and m.bytes(cap, 16, 32768) <= room < m.bytes(cap + 1, 16, 32768)
+    assert fit_max_anchors(QWEN3_8B, CUDA, context_tokens=32768, max_anchors=cap, available=room) == cap
+    with pytest.raises(UserError, match=f"at most {cap} fits"):
+        fit_max_anchors(QWEN3_8B, CUDA, context_tokens=32768, max_anchors=cap + 1, available=room)
+
+
+def test_a_token_budget_beyond_the_device_is_refused_naming_the_largest_that_fits():
+    with pytest.raises(UserError, match="lower --token-budget to at most"):
+        fit_max_anchors(QWEN3_8B, CUDA, context_tokens=10**6, max_anchors=None, available=24 * GIB)

@@ -1,0 +1,116 @@
+"""How much memory a training step needs, so defaults fit the machine and bad settings fail early.
+
+A step's memory is the drafter's training state (fp32 weights, gradients and two AdamW moments),
+the frozen embedding and LM head, and the activations kept for the backward pass. Activations grow
+with the block tokens (anchors x block size: every drafter layer runs on them) and, much less, with
+the context tokens of the packed batch (each layer projects them to keys and values). The byte
+counts per token below follow the layers' saved tensors; `bench/memory.py` measures them against
+the real peak on a GPU (README, "Memory").
+
+Anchors per batch are not bounded by the data: a batch of many short samples holds up to
+`num_anchors` per sample. So unless `--max-anchors` is given, the trainer caps them at what fits
+(`fit_max_anchors`); an explicit setting that cannot fit is refused before the first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dflash_cache.errors import UserError
+from train.config import DrafterConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+USABLE_FRACTION = 0.85    # of the device's free memory at start-up: the allocator fragments, kernels need workspace
+CPU_USABLE_FRACTION = 0.6  # of the host's available memory (reader buffers and the OS need the rest)
+# Activation tensors kept per token per drafter layer, counted by width: the hidden size H, the MLP
+# width I and the key/value width KV. "low" tensors are bf16 on a GPU (autocast) and fp32 on a CPU; "fp32"
+# ones are fp32 everywhere (residual stream, norms). Counted from DFlashLayer's saved tensors.
+QUERY_LOW = (6, 4, 0)       # tensors of width (H, I, KV): q/o/MLP inputs, q, attention out; gate, up, silu, product
+QUERY_FP32 = (10, 0, 0)     # residual, norms' inputs and outputs, q norm and rope
+CONTEXT_LOW = (1, 0, 4)     # the context's k/v projection input, k, v, k rope
+CONTEXT_FP32 = (1, 0, 6)    # the fused context row, k norm and rope
+LOSS_FP32_PER_QUERY = 4     # x H: final norm and the loss chunk's hidden copy
+FEATURE_BYTES = 2           # the batch's bf16 features, N x H per context token
+
+
+@dataclass(frozen=True, slots=True)
+class StepMemory:
+    """Bytes of a step as fixed + per_query * block tokens + per_context * context tokens."""
+
+    fixed: int
+    per_query: int
+    per_context: int
+
+    def bytes(self, anchors: int, block_size: int, context_tokens: int) -> int:
+        return self.fixed + self.per_query * anchors * block_size + self.per_context * context_tokens
+
+    def max_anchors(self, available: int, block_size: int, context_tokens: int) -> int:
+        """The most anchors whose step fits `available` bytes (0 if not even the context fits)."""
+        room = available - self.fixed - self.per_context * context_tokens
+        return max(0, room // (self.per_query * block_size))
+
+
+def step_memory(cfg: DrafterConfig, device: torch.device) -> StepMemory:
+    """The memory model of one training step of this drafter on this kind of device."""
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    low = 2 if device.type == "cuda" else 4
+
+    def per_token(low_units: tuple[int, int, int], fp32_units: tuple[int, int, int]) -> int:
+        dims = (h, i, kv)
+        return sum(u * d * low for u, d in zip(low_units, dims, strict=True)) + \
+            sum(u * d * 4 for u, d in zip(fp32_units, dims, strict=True))
+
+    params = cfg.num_target_layers * h * h + 2 * h + cfg.num_layers * (
+        h * cfg.num_attention_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim)
+    head = 2 * cfg.vocab_size * h * low  # embedding and LM head, frozen
+    per_query = cfg.num_layers * per_token(QUERY_LOW, QUERY_FP32) + LOSS_FP32_PER_QUERY * h * 4
+    per_context = cfg.num_layers * per_token(CONTEXT_LOW, CONTEXT_FP32) + cfg.num_target_layers * h * FEATURE_BYTES \
+        + 3 * h * 4  # fc output and hidden_norm
+    return StepMemory(fixed=16 * params + head, per_query=per_query, per_context=per_context)
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a step may use: a fraction of what the device has free now."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * USABLE_FRACTION)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        free = info.get("MemAvailable", info.get("MemFree", 0))
+    except (OSError, ValueError, IndexError):
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(free * CPU_USABLE_FRACTION)
+
+
+def fit_max_anchors(cfg: DrafterConfig, device: torch.device, *, context_tokens: int,
+                    max_anchors: int | None, available: int | None = None) -> int:
+    """The anchors-per-batch cap to train with: `max_anchors` if given and it fits, else the most that fits.
+
+    `context_tokens` is the largest packed batch the source can form (the token budget, or a longer
+    single sample). A UserError names the number that would fit when the setting cannot.
+    """
+    model = step_memory(cfg, device)
+    room = available_bytes(device) if available is None else available
+    fits = model.max_anchors(room, cfg.block_size, context_tokens)
+    where = f"{room / GIB:.1f} GiB usable on {device.type}"
+    if fits < 1:
+        most = max(0, (room - model.fixed - model.per_query * cfg.block_size) // model.per_context)
+        raise UserError(f"a packed batch of {context_tokens} tokens does not fit ({where}; the drafter's state "
+                        f"alone needs {model.fixed / GIB:.1f} GiB): lower --token-budget to at most {most}")
+    if max_anchors is not None:
+        if max_anchors > fits:
+            need = model.bytes(max_anchors, cfg.block_size, context_tokens) / GIB
+            raise UserError(f"--max-anchors {max_anchors} needs about {need:.1f} GiB per step ({where}); at most "
+                            f"{fits} fits with --token-budget {context_tokens}")
+        return max_anchors
+    log.info("anchors per batch capped at %d to fit %s (a step of %d context tokens: ~%.1f GiB); set "
+             "--max-anchors to choose", fits, where, context_tokens,
+             model.bytes(fits, cfg.block_size, context_tokens) / GIB)
+    return fits
