@@ -400,7 +400,7 @@ class Trainer:
         stats = stats.cpu()
         now = time.perf_counter()
         seconds, self._window_start = now - self._window_start, now
-        loss, acc, stop = float(stats[0]), stats[1:-1], bool(stats[-1] > 0)
+        loss, acc, stop = float(stats[0]), stats[2:-1], bool(stats[-1] > 0)  # acc[0]: the anchor slot, never scored
         row = {"step": self.step, "epoch": self.position.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
                "tokens_per_s": tokens / max(seconds, 1e-9), "tokens_seen": self.tokens_seen}
@@ -482,6 +482,7 @@ def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
     """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0)
+    interval_from_env(cfg.profile_interval)  # a bad DFLASH_PROFILE_INTERVAL stops the run before it writes
     if rank == 0:
         check_writable(Path(cfg.out))
     if world > 1:
