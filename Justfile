@@ -38,6 +38,14 @@ bench-live *args:
 pretrain-tiny *args:
     python3 -m extract.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}
 
+# Rebuild the shipped demo rows (extract/tiny_target/demo_rows.parquet) after retraining the tiny target.
+demo-rows:
+    python3 -m extract.demo
+
+# GPU benchmark of phase 2's memory model against measured peaks (an NVIDIA GPU; see bench/memory.py --help).
+bench-memory *args:
+    python3 bench/memory.py {{args}}
+
 # GPU benchmark over every GPU of one host: extract, DDP train and live against one GPU (see bench/multi_gpu.py --help).
 bench-multi *args:
     python3 bench/multi_gpu.py {{args}}

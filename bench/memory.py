@@ -70,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="steps per point (the first compiles)")
     ap.add_argument("--emulate-gib", type=float, default=80.0, help="GPU size the defaults run is limited to")
+    ap.add_argument("--skip-points", action="store_true", help="only the defaults run")
     add_common_args(ap, "/tmp/dflash-bench-memory")
     args = ap.parse_args()
     device = start_logging_and_device()
@@ -87,6 +88,7 @@ def main() -> None:
                 device=device)
     model = step_memory(drafter_cfg, device)
     points = ((2 * s["seq"], 64), (4 * s["seq"], 128)) if args.small else POINTS
+    points = () if args.skip_points else points
     rows = []
     for budget, anchors in points:
         trainer = make_trainer(cache, out / "run", drafter_cfg, head, device, token_budget=budget,
@@ -104,7 +106,8 @@ def main() -> None:
     defaults = {}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.emulate_gib * GIB / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.emulate_gib * GIB / total),
+                                                   torch.cuda.current_device())
         trainer = make_trainer(cache, out / "run-defaults", drafter_cfg, head, device)
         try:
             peak, used, tokens = peak_of_steps(trainer, args.steps + 2, device)

@@ -78,6 +78,8 @@ def step_memory(cfg: DrafterConfig, device: torch.device) -> StepMemory:
 def available_bytes(device: torch.device) -> int:
     """Memory a step may use: a fraction of what the device has free now."""
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if fraction is not None:  # a process limited by set_per_process_memory_fraction gets less
