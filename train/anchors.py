@@ -15,9 +15,10 @@ Up to ``num_anchors`` candidates are drawn per document uniformly without replac
 ``torch.randperm`` over all candidates of the batch as random keys; the first ``num_anchors`` of
 each document in key order are kept); with ``max_anchors``, a uniform random subset of that size
 is kept when there are more (one more ``randperm``, drawn only then). The kept anchors are
-returned sorted by flat token index, i.e. by (document, position). Random numbers are drawn on
-the generator's device and moved to the batch's device, so a CPU generator gives identical
-anchors on CPU and CUDA.
+returned sorted by flat token index, i.e. by (document, position), so the blocks of one document
+are contiguous in query order: `train.masks.document_masks` attends document by document on that
+promise (and checks it). Random numbers are drawn on the generator's device and moved to the
+batch's device, so a CPU generator gives identical anchors on CPU and CUDA.
 
 When the batch carries its host layout (the sources attach one), all of this runs on the host and
 only the finished blocks are copied to the device, asynchronously: the step never waits for the

@@ -98,8 +98,12 @@ class DrafterConfig:
                     layer_types=None) -> DrafterConfig:
         """A drafter for a Qwen3-like target: same width, heads, eps, RoPE and vocabulary.
 
-        `layer_types` defaults to all "full_attention"; `mask_token_id` to an unused embedding row.
+        `layer_types` defaults to all "sliding_attention" when a `sliding_window` is given (one mask
+        kind per step, and what vLLM serves without mixing cache groups), else all "full_attention";
+        `mask_token_id` defaults to an unused embedding row.
         """
+        if layer_types is None:
+            layer_types = ("full_attention" if sliding_window is None else "sliding_attention",) * num_layers
         c = target_config
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)
@@ -119,7 +123,7 @@ class DrafterConfig:
             block_size=block_size,
             mask_token_id=default_mask_token_id(vocab) if mask_token_id is None else int(mask_token_id),
             target_layer_ids=tuple(int(i) for i in target_layer_ids),
-            layer_types=tuple(layer_types) if layer_types is not None else ("full_attention",) * num_layers,
+            layer_types=tuple(layer_types),
             sliding_window=sliding_window,
             target_num_hidden_layers=int(getattr(c, "num_hidden_layers", 0) or 0),
         )

@@ -2,9 +2,10 @@
 
 Unbatched and varlen: the context is the packed [T, N*H] target features of a batch, the block
 tokens are all A anchor blocks of B tokens flattened to [Q, H]; which query may see which key is
-entirely the caller's mask (dense bool [1, 1, Q, T+Q] or a FlexAttention BlockMask over the same
-[Q, T+Q] grid), one per layer type. The target's embedding and LM head are not part of the drafter:
-`FrozenTargetHead` holds them as buffers.
+entirely the caller's mask (a `DocumentMasks`, attended document by document; a dense bool
+[1, 1, Q, T+Q]; or a FlexAttention BlockMask over the same [Q, T+Q] grid), one per layer type.
+The target's embedding and LM head are not part of the drafter: `FrozenTargetHead` holds them as
+buffers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from train.config import DrafterConfig
+from train.masks import DocumentMasks, document_keys
 
 INIT_STD = 0.02
 
@@ -50,23 +52,25 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE; cos/sin [L, head_dim] for arbitrary (document-local) positions."""
+    """Default RoPE; cos/sin [L, head_dim] for arbitrary (document-local) positions.
+
+    The frequencies are derived from (head_dim, theta) on every call, in float32 as transformers'
+    Qwen3 does, and never held as a tensor: a buffer is rounded by `.to(torch.bfloat16)` (the export
+    dtype) and stays rounded after a cast back, which turns the angle by radians at long positions.
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
 
-    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """theta ** (-2i / head_dim) for i < head_dim / 2, float32 on `device`."""
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         return 1.0 / (self.theta ** exponent)
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # the module was cast (e.g. .bfloat16()): keep RoPE exact
-            inv_freq = self._inv_freq(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -106,17 +110,37 @@ class DFlashAttention(nn.Module):
         kv_len = kv_in.shape[0]
         k = self.k_norm(self.k_proj(kv_in).view(kv_len, self.num_kv_heads, d)).transpose(0, 1)[None]
         v = self.v_proj(kv_in).view(kv_len, self.num_kv_heads, d).transpose(0, 1)[None]
-        q = apply_rope(q, cos[-q_len:], sin[-q_len:])
+        q = apply_rope(q, cos[kv_len - q_len:], sin[kv_len - q_len:])  # not [-q_len:]: q_len may be 0
         k = apply_rope(k, cos, sin)
         if isinstance(mask, BlockMask):
             out = flex_fn(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        elif isinstance(mask, DocumentMasks):
+            out = self._per_document(q, k, v, mask)
         else:
             if mask.dtype != torch.bool or mask.shape[-2:] != (q_len, kv_len):
                 raise ValueError(f"dense mask must be bool [1, 1, {q_len}, {kv_len}], got "
                                  f"{mask.dtype} {tuple(mask.shape)}")
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            out = self._sdpa(q, k, v, mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * d))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _per_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: DocumentMasks) -> torch.Tensor:
+        """SDPA span by span (a run of one document's blocks over that document's context and those
+        blocks): memory follows the documents, where one mask over the packed batch grows with its square."""
+        q_len, ctx_len = q.shape[2], k.shape[2] - q.shape[2]
+        if (masks.num_queries, masks.num_context) != (q_len, ctx_len):
+            raise ValueError(f"document masks are for {masks.num_queries} queries over {masks.num_context} "
+                             f"context tokens, got {q_len} over {ctx_len}")
+        if not masks.queries:
+            return torch.zeros_like(q)
+        outs = []
+        for ctx, rows, m in zip(masks.context, masks.queries, masks.masks, strict=True):
+            k_d, v_d = (document_keys(x, ctx, rows, num_context=ctx_len, dim=2) for x in (k, v))
+            outs.append(self._sdpa(q[:, :, rows], k_d, v_d, m))
+        return torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):
@@ -169,7 +193,8 @@ class DFlashDrafter(nn.Module):
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, masks: dict) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
-        masks {layer type: dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the final norm."""
+        masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
+        final norm."""
         dtype = self.dtype
         context = self.hidden_norm(self.fc(features.to(dtype)))
         x = block_embeds.to(dtype)

@@ -8,7 +8,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from train.anchors import Blocks, sample_anchors
 from train.batch import PackedBatch, positions_from_cu_seqlens
-from train.masks import build_masks, context_doc_pos, dense_mask, flex_block_mask
+from train.masks import (
+    DocumentMasks,
+    build_masks,
+    context_doc_pos,
+    dense_mask,
+    document_masks,
+    flex_block_mask,
+)
 
 MASK = 7777
 
@@ -75,25 +82,109 @@ def test_full_attention_hand_built(two_docs):
     assert torch.equal(blk, torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * A))
 
 
-def test_sliding_window_hand_built(two_docs):
+def visible_columns(m: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(row).flatten().tolist() for row in m]
+
+
+def test_sliding_window_counts_back_from_each_query(two_docs):
+    """As SGLang / vLLM / z-lab serve sliding layers: slot k (position anchor+k) sees the keys at
+    positions anchor+k-W+1 .. anchor+k: context before the anchor, and its block causally."""
     batch, blocks = two_docs
-    T, B, A, W = 16, 3, 3, 3
+    T, W = 16, 3
     doc, pos = context_doc_pos(batch)
     m = dense_mask(doc, pos, blocks, sliding_window=W)
-    ctx, blk = m[:, :T], m[:, T:]
-    # window W=3: context positions p-3 .. p-1
-    expect_ctx = torch.zeros(A, T, dtype=torch.bool)
-    expect_ctx[0, 1:4] = True          # doc 0 @ 4: positions 1, 2, 3
-    expect_ctx[1, 7:9] = True          # doc 1 @ 2: positions 0, 1 (only 2 exist)
-    expect_ctx[2, 7 + 3:7 + 6] = True  # doc 1 @ 6: positions 3, 4, 5
-    assert torch.equal(ctx, expect_ctx.repeat_interleave(B, dim=0))
-    assert int(ctx.sum(1).max()) <= W
-    causal = torch.tril(torch.ones(B, B, dtype=torch.bool))
-    assert torch.equal(blk, torch.block_diag(*[causal] * A))
-    # window 0: no context at all; huge window == full-attention context
-    assert not dense_mask(doc, pos, blocks, sliding_window=0)[:, :T].any()
+    blk0, blk1, blk2 = T, T + 3, T + 6  # first key column of each block
+    assert visible_columns(m) == [
+        [2, 3, blk0],                       # doc 0 @ 4, slot 0 (pos 4): context pos 2, 3
+        [3, blk0, blk0 + 1],                # slot 1 (pos 5): context pos 3, slots 0-1
+        [blk0, blk0 + 1, blk0 + 2],         # slot 2 (pos 6): slots 0-2 only
+        [7, 8, blk1],                       # doc 1 @ 2, slot 0: context pos 0, 1 (flat 7, 8)
+        [8, blk1, blk1 + 1],
+        [blk1, blk1 + 1, blk1 + 2],
+        [11, 12, blk2],                     # doc 1 @ 6, slot 0: context pos 4, 5 (flat 11, 12)
+        [12, blk2, blk2 + 1],
+        [blk2, blk2 + 1, blk2 + 2],
+    ]
+    # every query sees exactly W keys here, itself included; W = 1 leaves only itself
+    assert m.sum(1).tolist() == [W] * 9
+    assert torch.equal(dense_mask(doc, pos, blocks, sliding_window=1), torch.cat(
+        [torch.zeros(9, T, dtype=torch.bool), torch.eye(9, dtype=torch.bool)], dim=1))
+
+
+def test_sliding_window_beyond_every_document_is_full_context_and_causal_block(two_docs):
+    batch, blocks = two_docs
+    T, B, A = 16, 3, 3
+    doc, pos = context_doc_pos(batch)
     full = dense_mask(doc, pos, blocks, sliding_window=None)
-    assert torch.equal(dense_mask(doc, pos, blocks, sliding_window=100)[:, :T], full[:, :T])
+    wide = dense_mask(doc, pos, blocks, sliding_window=100)
+    assert torch.equal(wide[:, :T], full[:, :T])
+    causal = torch.tril(torch.ones(B, B, dtype=torch.bool))
+    assert torch.equal(wide[:, T:], torch.block_diag(*[causal] * A))
+
+
+def test_window_must_be_positive(two_docs):
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    for build in (dense_mask, document_masks, flex_block_mask):
+        with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+            build(doc, pos, blocks, sliding_window=0)
+
+
+def assemble(per_doc: DocumentMasks) -> torch.Tensor:
+    """The [Q, T + Q] matrix that per-document masks stand for (everything outside them is False)."""
+    T, Q = per_doc.num_context, per_doc.num_queries
+    full = torch.zeros(Q, T + Q, dtype=torch.bool)
+    for ctx, rows, m in zip(per_doc.context, per_doc.queries, per_doc.masks, strict=True):
+        n_ctx = ctx.stop - ctx.start
+        full[rows, ctx] = m[0, 0, :, :n_ctx]
+        full[rows, T + rows.start:T + rows.stop] = m[0, 0, :, n_ctx:]
+    return full
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_document_masks_match_dense(seed):
+    g = torch.Generator().manual_seed(200 + seed)
+    lengths = torch.randint(3, 70, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
+    batch = make_batch(lengths, seed=seed)
+    blocks = sample_anchors(batch, block_size=4, num_anchors=5, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(seed))
+    assert blocks.num_anchors > 0
+    doc, pos = context_doc_pos(batch)
+    for window in (None, 1, 3, 9, 1000):
+        per_doc = document_masks(doc, pos, blocks, sliding_window=window)
+        assert len(per_doc.masks) == len(set(blocks.doc.tolist()))  # short documents: one span each
+        assert torch.equal(assemble(per_doc), dense_mask(doc, pos, blocks, sliding_window=window))
+
+
+def test_a_document_with_many_anchors_is_cut_into_spans_of_whole_blocks():
+    """Queries see no other block, so a document's blocks attend in spans of about its length: the
+    masks grow with anchors x document length, not with the square of its anchors."""
+    batch = make_batch([40, 300], seed=5, p_sup=1.0)
+    blocks = sample_anchors(batch, block_size=4, num_anchors=290, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(0))
+    doc, pos = context_doc_pos(batch)
+    per_doc = document_masks(doc, pos, blocks, sliding_window=None)
+    q_long = 4 * int((blocks.doc == 1).sum())
+    assert q_long > 3 * 300  # doc 1: 1,160 queries over 300 context tokens
+    spans = [(c.stop - c.start, r.stop - r.start) for c, r in zip(per_doc.context, per_doc.queries, strict=True)]
+    assert spans[0] == (40, 4 * int((blocks.doc == 0).sum()))  # doc 0: one span, fewer than 256 queries
+    assert [t for t, _ in spans[1:]] == [300] * 4 and [q for _, q in spans[1:]] == [300, 300, 300, q_long - 900]
+    assert all(r.start % 4 == 0 for r in per_doc.queries)  # whole blocks
+    assert torch.equal(assemble(per_doc), dense_mask(doc, pos, blocks, sliding_window=None))
+    assert torch.equal(assemble(document_masks(doc, pos, blocks, sliding_window=7)),
+                       dense_mask(doc, pos, blocks, sliding_window=7))
+
+
+def test_document_masks_need_blocks_grouped_by_document(two_docs):
+    batch, blocks = two_docs
+    doc, pos = context_doc_pos(batch)
+    order = torch.tensor([1, 0, 2])  # doc 1, doc 0, doc 1: doc 1's blocks are not contiguous
+    shuffled = Blocks(**{f: (getattr(blocks, f)[order] if f != "block_size" else blocks.block_size)
+                         for f in blocks.__dataclass_fields__})
+    with pytest.raises(ValueError, match="sorted by document"):
+        document_masks(doc, pos, shuffled, sliding_window=None)
+    with pytest.raises(ValueError, match="grouped by document"):
+        document_masks(doc.flip(0), pos, blocks, sliding_window=None)
 
 
 def flex_to_dense(bm: BlockMask, q_len: int, kv_len: int) -> torch.Tensor:
@@ -122,12 +213,12 @@ def check_flex_agrees(doc, pos, blocks, window):
 def test_flex_matches_dense_hand_built(two_docs):
     batch, blocks = two_docs
     doc, pos = context_doc_pos(batch)
-    for window in (None, 0, 2, 3, 50):
+    for window in (None, 1, 2, 3, 50):
         check_flex_agrees(doc, pos, blocks, window)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 1, 5])
 def test_flex_matches_dense_random(seed, window):
     g = torch.Generator().manual_seed(100 + seed)
     n_docs = int(torch.randint(2, 6, (1,), generator=g))
@@ -160,6 +251,8 @@ def test_empty_blocks():
     doc, pos = context_doc_pos(batch)
     assert dense_mask(doc, pos, blocks, sliding_window=None).shape == (0, 11)
     assert dense_mask(doc, pos, blocks, sliding_window=3).shape == (0, 11)
+    per_doc = document_masks(doc, pos, blocks, sliding_window=3)
+    assert (per_doc.num_queries, per_doc.num_context, per_doc.masks) == (0, 11, ())
 
 
 @pytest.mark.parametrize("backend", ["dense", "flex"])
@@ -173,9 +266,9 @@ def test_build_masks_shared_per_layer_type(two_docs, backend):
     full = dense_mask(doc, pos, blocks, sliding_window=None)
     sliding = dense_mask(doc, pos, blocks, sliding_window=3)
     if backend == "dense":
-        assert masks["full_attention"].shape == (1, 1, q_len, kv_len)
-        assert torch.equal(masks["full_attention"][0, 0], full)
-        assert torch.equal(masks["sliding_attention"][0, 0], sliding)
+        assert isinstance(masks["full_attention"], DocumentMasks)
+        assert torch.equal(assemble(masks["full_attention"]), full)
+        assert torch.equal(assemble(masks["sliding_attention"]), sliding)
     else:
         assert isinstance(masks["full_attention"], BlockMask)
         assert torch.equal(flex_to_dense(masks["full_attention"], q_len, kv_len), full)
@@ -192,7 +285,7 @@ def test_build_masks_builds_each_type_once(two_docs, backend, monkeypatch):
 
     batch, blocks = two_docs
     doc, pos = context_doc_pos(batch)
-    name = "dense_mask" if backend == "dense" else "flex_block_mask"
+    name = "document_masks" if backend == "dense" else "flex_block_mask"
     real = getattr(masks_mod, name)
     calls = []
     monkeypatch.setattr(masks_mod, name, lambda *a, **kw: calls.append(kw["sliding_window"]) or real(*a, **kw))
@@ -227,9 +320,9 @@ def test_flex_attention_runs_with_mask(two_docs):
     k = torch.randn(1, 2, kv_len, 8, generator=g)
     v = torch.randn(1, 2, kv_len, 8, generator=g)
     types = ["full_attention", "sliding_attention"]
-    dense = build_masks(doc, pos, blocks, layer_types=types, sliding_window=2, backend="dense")
+    dense = {t: dense_mask(doc, pos, blocks, sliding_window=None if t == "full_attention" else 2) for t in types}
     flex = build_masks(doc, pos, blocks, layer_types=types, sliding_window=2, backend="flex")
     for t in types:
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[t])
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[t][None, None])
         out = flex_attention(q, k, v, block_mask=flex[t])
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

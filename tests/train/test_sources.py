@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from train.sources import target_devices
+from extract.target import TargetSpec, describe_target
+from train.sources import _drafter_and_head, target_devices
+from train.trainer import TrainConfig
 
 
 @pytest.fixture
@@ -37,3 +39,15 @@ def test_fewer_target_gpus_than_ranks_is_refused(four_gpus):
 def test_gpu_indices_without_cuda_name_the_flag_and_the_fix():
     with pytest.raises(UserError, match=r"--target-gpus '0': no CUDA device is visible; use --target-gpus cpu"):
         target_devices("0", torch.device("cpu"))
+
+
+def drafter_config(**kw):
+    cfg = TrainConfig(cache="unused", target="tiny", out="unused", draft_layers=3, **kw)
+    return _drafter_and_head(cfg, describe_target(TargetSpec(model="tiny")), torch.device("cpu"))[0]
+
+
+def test_sliding_window_makes_every_drafter_layer_sliding():
+    """--sliding-window W: every layer trains (and exports) as sliding_attention with window W."""
+    cfg = drafter_config(sliding_window=64)
+    assert cfg.layer_types == ("sliding_attention",) * 3 and cfg.sliding_window == 64
+    assert drafter_config().layer_types == ("full_attention",) * 3
