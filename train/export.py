@@ -1,10 +1,14 @@
 """Export a trained drafter as the public DFlash inference code, SGLang and vLLM load it:
-`config.json` (a Qwen3 config with the DFlash fields) and a bf16 `model.safetensors` holding only
-the drafter's own tensors (the target supplies embedding and LM head at inference)."""
+`config.json` (a Qwen3 config with the DFlash fields), a bf16 `model.safetensors` holding only
+the drafter's own tensors (the target supplies embedding and LM head at inference), and the model
+code `dflash.py` that config.json's `auto_map` names, so that
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` builds the drafter (published DFlash
+checkpoints ship the same pair; without it that call silently returns a plain Qwen3 model)."""
 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -16,6 +20,8 @@ from train.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODEL_CODE_NAME = "dflash.py"  # the module name published checkpoints' auto_map uses
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -30,6 +36,7 @@ def export_config(cfg: DrafterConfig) -> dict:
     sliding = "sliding_attention" in cfg.layer_types
     return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": dict(AUTO_MAP),
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": target_layers,
@@ -60,8 +67,15 @@ def export_config(cfg: DrafterConfig) -> dict:
     }
 
 
+def model_code() -> bytes:
+    """The self-contained transformers module written next to config.json (train/remote_code)."""
+    return resources.files("train.remote_code").joinpath(MODEL_CODE_NAME).read_bytes()
+
+
 def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) -> None:
-    """Write out_dir/config.json and out_dir/model.safetensors (bf16, the drafter's tensors unprefixed)."""
+    """Write out_dir/config.json, out_dir/model.safetensors (bf16, the drafter's tensors unprefixed)
+    and out_dir/dflash.py (the code config.json's auto_map names); config.json last, so that a new
+    export directory holding a config.json holds everything it names."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().to(device="cpu", dtype=EXPORT_DTYPE).contiguous()
@@ -75,6 +89,7 @@ def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) ->
                          f"{sorted(k for k in set(got) & set(expected) if got[k] != expected[k])}")
     config = export_config(cfg)
     write_bytes_atomic(out_dir / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+    write_bytes_atomic(out_dir / MODEL_CODE_NAME, model_code())
     write_json_atomic(out_dir / CONFIG_NAME, config)
 
 

@@ -1,17 +1,54 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from extract.target import tiny_config
+from extract.target import build_tiny_target, tiny_config
 from train.config import DrafterConfig
-from train.drafter import init_drafter
+from train.drafter import DFlashDrafter, init_drafter
 from train.export import drafter_from_export, export_drafter, load_exported
+from train.speculative import greedy_generate, load_prompts
 
 LAYER_IDS = (1, 3, 5)
+CONTEXT, OFFSET = 20, 5000  # context tokens in the forward checks, and their first position
+
+
+def load_with_automodel(export_dir: Path, modules_dir: Path):
+    """(model, loading info) from the documented DFlash loader, its module cache kept under modules_dir."""
+    import transformers.dynamic_module_utils as dynamic
+    from transformers import AutoModel
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dynamic, "HF_MODULES_CACHE", str(modules_dir))
+        return AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype=torch.float32,
+                                         output_loading_info=True)
+
+
+def forward_inputs(cfg: DrafterConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target features [T, N*H], block embeddings [B, H], positions [T + B]) for one block."""
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(CONTEXT, cfg.num_target_layers * cfg.hidden_size, generator=gen)
+    embeds = torch.randn(cfg.block_size, cfg.hidden_size, generator=gen)
+    return features, embeds, torch.arange(OFFSET, OFFSET + CONTEXT + cfg.block_size)
+
+
+def ours(drafter: DFlashDrafter, cfg: DrafterConfig, visible: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Our drafter's [B, H] output on forward_inputs with a given bool [B, T + B] mask per layer type."""
+    features, embeds, positions = forward_inputs(cfg)
+    masks = {kind: mask[None, None] for kind, mask in visible.items()}
+    with torch.no_grad():
+        return drafter(features, positions[:CONTEXT], embeds, positions[CONTEXT:], masks)
+
+
+def shipped(model, cfg: DrafterConfig) -> torch.Tensor:
+    """The shipped model's [B, H] output on forward_inputs, called as the public DFlash loop calls it."""
+    features, embeds, positions = forward_inputs(cfg)
+    with torch.no_grad():
+        return model(position_ids=positions[None], noise_embedding=embeds[None], target_hidden=features[None])[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +81,9 @@ def test_config_json(exported):
         "torch_dtype": "bfloat16", "dtype": "bfloat16",
     }
     assert {k: config[k] for k in expected} == expected
-    assert not list(out.glob("*.tmp")) and sorted(p.name for p in out.iterdir()) == ["config.json",
-                                                                                      "model.safetensors"]
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert not list(out.glob("*.tmp"))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
 
 
 def test_config_is_a_loadable_qwen3_config(exported):
@@ -96,3 +134,103 @@ def test_mismatched_drafter_rejected(tmp_path):
     with pytest.raises(ValueError):
         export_drafter(init_drafter(other, 0), cfg, tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_old_export_without_model_code_still_loads(exported, tmp_path):
+    cfg, drafter, out = exported
+    old = tmp_path / "old"
+    old.mkdir()
+    config = json.loads((out / "config.json").read_text())
+    del config["auto_map"]
+    (old / "config.json").write_text(json.dumps(config))
+    (old / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    cfg2, drafter2 = drafter_from_export(old)
+    assert cfg2 == cfg
+    assert all(torch.equal(v, drafter.state_dict()[k].bfloat16()) for k, v in drafter2.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def remote(exported, tmp_path_factory):
+    """The export loaded by `AutoModel.from_pretrained(..., trust_remote_code=True)`, float32."""
+    _, _, out = exported
+    return load_with_automodel(out, tmp_path_factory.mktemp("hf_modules"))
+
+
+def test_automodel_builds_the_drafter(exported, remote):
+    from transformers import PreTrainedModel
+
+    cfg, _, out = exported
+    model, info = remote
+    assert type(model).__name__ == "DFlashDraftModel" and isinstance(model, PreTrainedModel)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys, no errors
+    _, stored = load_exported(out)
+    loaded = model.state_dict()
+    assert set(loaded) == set(stored)
+    for k, v in stored.items():
+        assert torch.equal(loaded[k], v.float()), k  # every tensor read from the file, none initialised
+    assert model.target_layer_ids == list(LAYER_IDS) and model.block_size == 8
+    assert model.mask_token_id == cfg.mask_token_id
+
+
+def test_automodel_forward_matches_ours(exported, remote):
+    cfg, _, out = exported
+    model, _ = remote
+    drafter = drafter_from_export(out)[1].float()
+    everything = torch.ones(cfg.block_size, CONTEXT + cfg.block_size, dtype=torch.bool)
+    torch.testing.assert_close(shipped(model, cfg), ours(drafter, cfg, {"full_attention": everything}),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_automodel_sliding_window_counts_back_from_each_query(tmp_path):
+    """Sliding layers: key visible iff 0 <= query pos - key pos < W (the serving engines' rule)."""
+    window = 6
+    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=8, sliding_window=window,
+                                    layer_types=("sliding_attention", "full_attention"))
+    export_drafter(init_drafter(cfg, 5), cfg, tmp_path / "drafter")
+    model, _ = load_with_automodel(tmp_path / "drafter", tmp_path / "modules")
+    _, _, positions = forward_inputs(cfg)
+    delta = positions[CONTEXT:, None] - positions[None, :]
+    visible = {"sliding_attention": (delta >= 0) & (delta < window),
+               "full_attention": torch.ones_like(delta, dtype=torch.bool)}
+    drafter = drafter_from_export(tmp_path / "drafter")[1].float()
+    torch.testing.assert_close(shipped(model, cfg), ours(drafter, cfg, visible), rtol=1e-5, atol=1e-5)
+
+
+def test_automodel_cached_context_matches_one_call(exported, remote):
+    """The public loop's KV cache: context fed in two calls (block keys cropped between) = one call."""
+    from transformers import DynamicCache
+
+    cfg, _, _ = exported
+    model, _ = remote
+    features, embeds, positions = forward_inputs(cfg)
+    split, b = 12, cfg.block_size
+    cache = DynamicCache()
+    first = torch.cat((positions[:split], positions[CONTEXT:]))  # block positions unused: cropped below
+    with torch.no_grad():
+        model(position_ids=first[None], noise_embedding=embeds[None], target_hidden=features[None, :split],
+              past_key_values=cache, use_cache=True)
+        cache.crop(-b)
+        both = model(position_ids=positions[None, split:], noise_embedding=embeds[None],
+                     target_hidden=features[None, split:], past_key_values=cache, use_cache=True)[0]
+    torch.testing.assert_close(both, shipped(model, cfg), rtol=1e-5, atol=1e-5)
+
+
+def test_spec_generate_is_lossless(remote):
+    """The README's `draft.spec_generate(...)` call: greedy output equals the target's, stop tokens stop."""
+    model, _ = remote
+    target = build_tiny_target()
+    prompt = load_prompts("demo", 1)[0][-16:]
+    reference = greedy_generate(target, prompt, 8)
+    ids, accepted = model.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=8,
+                                        stop_token_ids=None, temperature=0.0, return_acceptance=True)
+    assert ids[0].tolist() == prompt + reference
+    assert sum(accepted) >= 7 and all(1 <= a <= 8 for a in accepted)
+    stop = reference[2]
+    stopped = model.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=8,
+                                  stop_token_ids=[stop])
+    assert stopped[0].tolist() == prompt + reference[: reference.index(stop) + 1]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        sampled = model.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=3,
+                                      temperature=1.0)
+    assert sampled.shape == (1, len(prompt) + 3) and sampled[0, : len(prompt)].tolist() == prompt

@@ -10,7 +10,9 @@ from extract.target import TargetSpec, build_tiny_target, describe_target
 from train.config import DrafterConfig
 from train.drafter import FrozenTargetHead, init_drafter
 from train.export import drafter_from_export
-from train.speculative import evaluate, greedy_generate, load_prompts
+from train.speculative import evaluate, greedy_generate, load_prompts, speculative_generate
+
+from .test_export import load_with_automodel
 
 CPU = torch.device("cpu")
 
@@ -52,3 +54,16 @@ def test_eval_cli(trained_demo_run):
                                  "--limit", "2", "--max-new-tokens", "24", "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "tau (tokens per target forward):" in r.output and "lossless" in r.output
+
+
+def test_shipped_model_code_drafts_as_eval_does(trained_demo_run, tmp_path):
+    """The export's dflash.py (KV-cached context, as the public DFlash loop runs it) accepts exactly the
+    drafts our `eval` accepts with the same trained drafter."""
+    target, head, prompts = _setup()
+    cfg, drafter = drafter_from_export(trained_demo_run / "export")
+    model, _ = load_with_automodel(trained_demo_run / "export", tmp_path)
+    tokens, accepted = speculative_generate(target, drafter.float(), head, cfg, prompts[0], 32)
+    ids, shipped = model.spec_generate(target=target, input_ids=torch.tensor([prompts[0]]), max_new_tokens=32,
+                                       return_acceptance=True)
+    assert ids[0, len(prompts[0]):].tolist() == tokens
+    assert shipped == accepted and max(accepted) > 1
