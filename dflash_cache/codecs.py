@@ -43,6 +43,17 @@ class ArraySpec:
     compressors: tuple
 
 
+def token_spec(key: str) -> ArraySpec:
+    """How the writer stores token array `key` (one of TOKEN_ARRAYS): its dtype, zstd, a CRC32C."""
+    dtype = TOKEN_ARRAYS[key]
+    return ArraySpec(dtype, 1, tuple(zstd_chain(dtype.itemsize)))
+
+
+def codec_names(codecs: tuple | list) -> list[str]:
+    """The zarr v3 names of a codec chain, as its zarr.json lists them (a reader checks them)."""
+    return [c.to_dict()["name"] for c in codecs]
+
+
 @dataclass(frozen=True, slots=True)
 class FeatureCodec:
     """A way to store features; `name` is what the manifest records and the CLI accepts."""

@@ -1,17 +1,28 @@
-"""Atomic, durable JSON files: write to a temporary name, fsync, rename, fsync the directory.
+"""Atomic, durable JSON files, and careful reading of files that came from someone else.
 
 Everything the cache commits (manifest, segment records) goes through here, so a crash leaves
 either the old file, the new file, or an ignorable ``*.tmp`` — never a torn one.
+
+Caches get copied between machines and teams, so reading is defensive: paths are resolved and
+must stay inside the cache root (`inside`), only regular files are opened (`open_regular`: a FIFO
+would block forever), and JSON is checked field by field against the dataclass it should become
+(`load_dataclass`), so a string where a list belongs is an error rather than a list of characters.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, get_type_hints
+
+from dflash_cache.errors import CacheCorruptError
 
 TMP_SUFFIX = ".tmp"
+INT64_MAX = (1 << 63) - 1
+MAX_NESTING = 16  # depth of free-form JSON (a manifest's `extra`) that later code may recurse into
 
 
 def fsync_dir(path: Path) -> None:
@@ -36,10 +47,121 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
+def inside(root: Path, path: Path) -> Path:
+    """`path` resolved, or CacheCorruptError if it leaves `root` (symlinks included)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise CacheCorruptError(f"cache path {path} points outside the cache root {root}; refusing to read it")
+    return resolved
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open `path` for reading if it is a regular file; ValueError otherwise. The open does not
+    block (a FIFO would wait forever for a writer) and the type is checked on the opened file."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path.name} is not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped after the stat above
+            raise ValueError(f"{path.name} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_json(path: Path, *, max_bytes: int = 64 << 20) -> Any:
-    """Read a JSON file, refusing absurd sizes before reading (caches come from strangers)."""
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise ValueError(f"{path} is {size} bytes, more than the {max_bytes} a record may hold")
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """Read a JSON file (regular files only), refusing absurd sizes before reading and nesting
+    too deep to parse. Raises ValueError or OSError; callers say which file it was."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{path.name} is {size} bytes, more than the {max_bytes} a record may hold")
+        data = f.read(max_bytes + 1)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{path.name} is nested too deeply to be a valid record") from None
+
+
+# --- typed loading ----------------------------------------------------------------------------
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def json_int(value: Any, what: str, lo: int = 0, hi: int = INT64_MAX) -> int:
+    """`value` if it is a JSON integer in [lo, hi] (not a bool, float or string)."""
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(f"{what} must be an integer in [{lo}, {hi}], not {_short(value)}")
+    return value
+
+
+def json_ints(value: Any, what: str, lo: int = 0, hi: int = INT64_MAX) -> tuple[int, ...]:
+    """`value` as a tuple if it is a JSON list of integers in [lo, hi]."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{what} must be a list of integers, not {_short(value)}")
+    if not all(type(v) is int for v in value) or (value and not lo <= min(value) <= max(value) <= hi):
+        raise ValueError(f"{what} must hold integers in [{lo}, {hi}] only")
+    return tuple(value)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (0 for a scalar); iterative, any size."""
+    depth, level = 0, [(value, 0)]
+    while level:
+        item, d = level.pop()
+        if isinstance(item, dict | list):
+            depth = max(depth, d + 1)
+            level.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+def _load_value(hint: Any, value: Any, what: str, limits: tuple[int, int], bounds: dict[str, tuple[int, int]]) -> Any:
+    """One field checked against its type hint; integers must lie in `limits`."""
+    lo, hi = limits
+    if is_dataclass(hint):
+        return load_dataclass(hint, value, what, bounds)
+    if hint is int:
+        return json_int(value, what, lo, hi)
+    if hint == int | None:
+        return None if value is None else json_int(value, what, lo, hi)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{what} must be a string, not {_short(value)}")
+        return value
+    if hint == tuple[int, ...]:
+        return json_ints(value, what, lo, hi)
+    if hint == dict[str, int]:
+        if not isinstance(value, dict):
+            raise ValueError(f"{what} must be an object, not {_short(value)}")
+        return {k: json_int(v, f"{what}[{_short(k)}]", lo, hi) for k, v in value.items()}
+    if hint == dict[str, Any]:
+        if not isinstance(value, dict) or nesting_depth(value) > MAX_NESTING:
+            raise ValueError(f"{what} must be an object nested at most {MAX_NESTING} deep")
+        return value
+    raise TypeError(f"no JSON loader for {hint}")  # a new field type: a bug here, not bad input
+
+
+def load_dataclass(cls: type, obj: Any, what: str, bounds: dict[str, tuple[int, int]] | None = None) -> Any:
+    """Build dataclass `cls` from JSON object `obj`, checking every field's type (and integer
+    ranges from `bounds`, default [0, 2**63)). Unknown or missing fields are refused. Raises
+    ValueError naming the field (`what` prefixes it)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} must be an object, not {_short(obj)}")
+    hints = get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(obj) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"{what} has unknown field {_short(unknown[0])}")
+    missing = [n for n, f in known.items() if n not in obj and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ValueError(f"{what} lacks field {missing[0]!r}")
+    bounds = bounds or {}
+    kwargs = {
+        name: _load_value(hints[name], value, f"{what}.{name}", bounds.get(name, (0, INT64_MAX)), bounds)
+        for name, value in obj.items()
+    }
+    return cls(**kwargs)
+

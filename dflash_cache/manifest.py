@@ -7,19 +7,39 @@ into a cache whose manifest matches the run. `mismatches` names the fields that 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_cache import __version__
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import read_json, write_json_atomic
+from dflash_cache.jsonio import INT64_MAX, inside, load_dataclass, read_json, write_json_atomic
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
 LAYER_ID_CONVENTION = "k = output of decoder layer k = Hugging Face hidden_states[k + 1]"
+# Sizes a received manifest may claim: far above any real target, far below what a lie could
+# make a reader allocate (features are [tokens, layers * hidden]).
+MAX_HIDDEN_SIZE = 65536
+MAX_LAYERS = 256
+MAX_FEATURE_WIDTH = 1 << 20
+MAX_TARGET_LAYERS = 4096
+# Integer ranges of manifest fields, by field name (default: [0, 2**63)).
+_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, MAX_TARGET_LAYERS),
+    "hidden_size": (1, MAX_HIDDEN_SIZE),
+    "vocab_size": (1, (1 << 31) - 1),  # token ids are stored as int32
+    "layer_ids": (0, MAX_TARGET_LAYERS - 1),
+    "unit_rows": (1, INT64_MAX),
+    "token_budget": (1, INT64_MAX),
+    "max_rows": (1, INT64_MAX),
+    "max_len": (1, INT64_MAX),
+    "bucket_bounds": (0, (1 << 31) - 1),
+    "format_version": (FORMAT_VERSION, FORMAT_VERSION),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,37 +102,34 @@ class Manifest:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+    def from_json(cls, obj: Any) -> Manifest:
+        """Parse and check a manifest: every field's type and range, before anything is sized by it."""
         if not isinstance(obj, dict):
             raise CacheCorruptError(f"not a dflash-cache manifest (a JSON {type(obj).__name__}, not an object)")
         if obj.get("format") != FORMAT_NAME:
             raise CacheCorruptError(f"not a dflash-cache manifest (format={obj.get('format')!r})")
-        if obj.get("format_version") != FORMAT_VERSION:
+        if obj.get("format_version") != FORMAT_VERSION or type(obj.get("format_version")) is not int:
             raise CacheCorruptError(
                 f"cache format version {obj.get('format_version')} is not supported by this tool "
                 f"(reads version {FORMAT_VERSION}); use the dflash-cache release that wrote it"
             )
         try:
-            plan = dict(obj["plan"])
-            plan["bucket_bounds"] = tuple(plan["bucket_bounds"])
-            return cls(
-                target=TargetIdentity(**obj["target"]),
-                layer_ids=tuple(int(i) for i in obj["layer_ids"]),
-                hidden_size=int(obj["hidden_size"]),
-                codec=str(obj["codec"]),
-                dataset_fingerprint=str(obj["dataset_fingerprint"]),
-                dataset_description=str(obj["dataset_description"]),
-                plan=PlanParams(**plan),
-                features=obj["features"],
-                logical_dtype=obj["logical_dtype"],
-                layer_id_convention=obj["layer_id_convention"],
-                format=obj["format"],
-                format_version=obj["format_version"],
-                tool_version=obj["tool_version"],
-                extra=dict(obj.get("extra", {})),
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            manifest = load_dataclass(cls, obj, "manifest", _BOUNDS)
+            manifest.check()
+        except ValueError as e:
             raise CacheCorruptError(f"manifest is malformed ({e}); the cache cannot be read") from None
+        return manifest
+
+    def check(self) -> None:
+        """Relations between fields that their types cannot express; ValueError names the first."""
+        if not 1 <= self.n_layers <= MAX_LAYERS:
+            raise ValueError(f"layer_ids must name 1 to {MAX_LAYERS} layers, not {self.n_layers}")
+        if self.feature_width > MAX_FEATURE_WIDTH:
+            raise ValueError(f"{self.n_layers} layers x hidden_size {self.hidden_size} exceed {MAX_FEATURE_WIDTH} "
+                             "feature columns")
+        bounds = self.plan.bucket_bounds
+        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(f"plan.bucket_bounds must be a non-empty increasing list, not {list(bounds)[:8]}")
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -141,11 +158,13 @@ def write_manifest(root: Path, manifest: Manifest) -> None:
 
 
 def read_manifest(root: Path) -> Manifest:
+    """The cache's manifest: a regular file inside `root`, well-formed, or CacheCorruptError."""
     path = root / MANIFEST_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CacheCorruptError(f"{root} is not a dflash-cache (no {MANIFEST_FILE}); check the path")
+    inside(root, path)
     try:
-        obj = read_json(path)
-    except ValueError as e:
-        raise CacheCorruptError(f"{path} is unreadable ({e})") from None
+        obj = read_json(path, max_bytes=1 << 20)
+    except (ValueError, OSError) as e:
+        raise CacheCorruptError(f"{path} is unreadable ({e}); copy the cache again or re-run extract") from None
     return Manifest.from_json(obj)

@@ -1,13 +1,23 @@
 """Reading a cache: the manifest, the committed segments, the sample index, and feature data.
 
 `CacheReader` is the API phase 2 builds on. Opening one reads JSON and Parquet only (never
-pickle), sees committed segments only, and checks each segment's file list before its data is
-touched, so a missing shard is an error naming the segment rather than a block of zeros.
+pickle) and sees committed segments only. A cache may come from anyone, so before a segment's
+data is touched its directory is walked once (every path inside the root, regular files only,
+exactly the files its record lists) and each array's zarr.json is held to what the writer makes
+(shape, dtype, codecs, bounded chunks, every shard file present): damage is an error naming the
+segment, never a block of zeros or an allocation sized by a stranger.
+
+A reader is shared by the trainer's prefetch threads: its caches of opened arrays and checked
+segments are guarded by a lock.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 import zarr
@@ -22,12 +33,28 @@ from zarr.storage import LocalStore
 
 from dflash_cache.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.jsonio import write_bytes_atomic
+from dflash_cache.jsonio import inside, open_regular, write_bytes_atomic
 from dflash_cache.manifest import Manifest, read_manifest
-from dflash_cache.segments import SegmentRecord, check_files, read_records, segment_dir
+from dflash_cache.segments import (
+    ArrayLayout,
+    SegmentRecord,
+    array_problems,
+    listing_problems,
+    read_records,
+    segment_dir,
+    segment_files,
+    segment_layouts,
+)
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "index.parquet"
 OPEN_ARRAYS = 1024  # opened zarr arrays kept per reader (random sample access hits many segments)
+INDEX_BYTES_PER_SAMPLE = 256  # an index.parquet larger than this per sample (+1 MiB) is not read
+# What zarr 3.1 / numcodecs raise when stored bytes fail to decode: ValueError for a CRC32C
+# mismatch (a flipped byte, a truncated shard, a damaged shard index), RuntimeError from Blosc
+# for a stream it cannot decompress. Only the zarr read itself sits inside the try.
+DECODE_ERRORS = (ValueError, RuntimeError)
 INDEX_SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -53,21 +80,42 @@ class Sample:
     features: torch.Tensor
 
 
+def _per_sample(records: list[SegmentRecord], attr: str, total: int) -> np.ndarray:
+    return np.fromiter((v for r in records for v in getattr(r, attr)), np.int64, total)
+
+
 def build_index(records: list[SegmentRecord]) -> pa.Table:
-    """Sample index of the given records, in record order then in-segment order."""
-    cols: dict[str, list] = {name: [] for name in INDEX_SCHEMA.names}
-    for rec in records:
-        offsets = np.concatenate([[0], np.cumsum(rec.lengths)[:-1]]) if rec.lengths else []
-        n = rec.num_samples
-        cols["sample_id"].extend(rec.sample_ids)
-        cols["segment"].extend([rec.name] * n)
-        cols["row_offset"].extend(int(o) for o in offsets)
-        cols["length"].extend(rec.lengths)
-        cols["supervised"].extend(rec.supervised)
-        cols["unit"].extend([rec.unit] * n)
-        cols["batch"].extend([rec.batch] * n)
-        cols["bucket"].extend([rec.bucket] * n)
+    """Sample index of the given records, in record order then in-segment order. Vectorised:
+    the records are the truth, and rebuilding from them is cheap even for millions of samples."""
+    counts = np.fromiter((r.num_samples for r in records), np.int64, len(records))
+    total = int(counts.sum())
+    lengths = _per_sample(records, "lengths", total)
+    seg = np.repeat(np.arange(len(records)), counts)
+    starts = np.cumsum(lengths) - lengths  # over all records; each segment's first sample is its zero
+    row_offset = starts - np.repeat(starts[np.cumsum(counts) - counts], counts)
+    per_segment = {key: np.fromiter((getattr(r, key) for r in records), np.int64, len(records))[seg]
+                   for key in ("unit", "batch", "bucket")}
+    cols = {
+        "sample_id": _per_sample(records, "sample_ids", total),
+        "segment": pc.take(pa.array([r.name for r in records], pa.string()), pa.array(seg, pa.int64())),
+        "row_offset": row_offset,
+        "length": lengths,
+        "supervised": _per_sample(records, "supervised", total),
+        **per_segment,
+    }
     return pa.table(cols, schema=INDEX_SCHEMA)
+
+
+def index_difference(table: pa.Table, expected: pa.Table) -> str | None:
+    """What differs between an index table and the one the records imply (None: nothing)."""
+    if table.schema != expected.schema:
+        return f"{INDEX_FILE} has columns {table.schema.names} of other types than {expected.schema.names}"
+    if table.num_rows != expected.num_rows:
+        return f"{INDEX_FILE} has {table.num_rows} rows, the commit records {expected.num_rows}"
+    for name in expected.column_names:
+        if not table.column(name).equals(expected.column(name)):
+            return f"{INDEX_FILE} disagrees with the commit records in column {name}"
+    return None
 
 
 def records_digest(records: list[SegmentRecord]) -> str:
@@ -85,10 +133,59 @@ def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
     return table
 
 
-class CacheReader:
-    """Read-only view of a cache's committed state at the time it was opened."""
+def _load_parquet(root: Path, name: str, max_bytes: int) -> pa.Table:
+    """A Parquet file of the cache root, if inside the root, a regular file and at most
+    `max_bytes`; raises CacheCorruptError (outside), OSError, ValueError or ArrowException."""
+    path = root / name
+    inside(root, path)
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise ValueError(f"{size} bytes, more than the {max_bytes} expected")
+        return pq.read_table(f)
 
-    def __init__(self, root: str | Path, *, check_segment_files: bool = True) -> None:
+
+def read_parquet(root: Path, name: str, max_bytes: int = 1 << 30) -> pa.Table:
+    """A Parquet file of the cache root (plan.parquet, index.parquet), read with the care of
+    `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
+    try:
+        return _load_parquet(root, name, max_bytes)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
+
+
+class _OpenArrays:
+    """Opened zarr arrays, least recently used dropped first. Prefetch threads share one reader,
+    so every look-up and eviction holds the lock; opening happens outside it (it parses JSON)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[str, str], zarr.Array] = OrderedDict()
+
+    def get(self, key: tuple[str, str]) -> zarr.Array | None:
+        with self._lock:
+            arr = self._items.get(key)
+            if arr is not None:
+                self._items.move_to_end(key)
+            return arr
+
+    def put(self, key: tuple[str, str], arr: zarr.Array) -> None:
+        with self._lock:
+            self._items[key] = arr
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+
+class CacheReader:
+    """Read-only view of a cache's committed state at the time it was opened. Thread-safe.
+
+    `check_segment_files=False` skips comparing a segment's files with its record's list; the
+    safety checks (paths inside the root, regular files, array metadata, shard files present)
+    always run. `open_arrays` bounds the opened zarr arrays kept."""
+
+    def __init__(self, root: str | Path, *, check_segment_files: bool = True, open_arrays: int = OPEN_ARRAYS) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise UserError(f"cache directory {self.root} does not exist; check the path")
@@ -97,8 +194,9 @@ class CacheReader:
         self.records: list[SegmentRecord] = read_records(self.root)
         self._by_name = {r.name: r for r in self.records}
         self._check_segment_files = check_segment_files
-        self._checked: set[str] = set()
-        self._open: dict[tuple[str, str], zarr.Array] = {}
+        self._lock = threading.Lock()
+        self._checked: set[str] = set()  # segments whose files and array metadata passed
+        self._open = _OpenArrays(open_arrays)
 
     # --- summary -------------------------------------------------------------------------
     @property
@@ -123,13 +221,36 @@ class CacheReader:
     # --- index ---------------------------------------------------------------------------
     @cached_property
     def index(self) -> pa.Table:
-        """The sample index (Arrow). Uses index.parquet when it covers exactly the commits."""
-        path = self.root / INDEX_FILE
-        if path.is_file():
-            meta = pq.read_schema(path).metadata or {}
-            if meta.get(b"commits_digest", b"").decode() == records_digest(self.records):
-                return pq.read_table(path).replace_schema_metadata(None)
+        """The sample index (Arrow), always what the commit records imply: index.parquet is
+        derived data, so one that disagrees is reported (a warning, and `index_problem` for
+        verify) and the index rebuilt from the records is used instead."""
+        if self.index_problem:
+            log.warning("%s; using the index rebuilt from the records (re-run extract to rewrite the file)",
+                        self.index_problem)
+        return self._built_index
+
+    @cached_property
+    def _built_index(self) -> pa.Table:
         return build_index(self.records)
+
+    @cached_property
+    def index_problem(self) -> str | None:
+        """Why index.parquet cannot be trusted, or None when it is absent, stale (written before
+        later commits: extract rewrites it) or agrees exactly with the commit records."""
+        path = self.root / INDEX_FILE
+        if not os.path.lexists(path):
+            return None
+        limit = INDEX_BYTES_PER_SAMPLE * self.num_samples + (1 << 20)
+        try:
+            table = _load_parquet(self.root, INDEX_FILE, limit)
+        except CacheCorruptError as e:
+            return str(e)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            return f"{INDEX_FILE} is unreadable ({e})"
+        meta = table.schema.metadata or {}
+        if meta.get(b"commits_digest", b"").decode() != records_digest(self.records):
+            return None
+        return index_difference(table.replace_schema_metadata(None), self._built_index)
 
     @cached_property
     def _sample_lookup(self) -> tuple[np.ndarray, np.ndarray]:
@@ -151,47 +272,50 @@ class CacheReader:
         except KeyError:
             raise UserError(f"segment {name} is not committed in this cache") from None
 
+    def layouts(self, rec: SegmentRecord) -> dict[str, ArrayLayout]:
+        """Every array of a segment as the writer makes it, from its record and the manifest."""
+        return segment_layouts(rec, self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size))
+
+    def check_segment(self, rec: SegmentRecord) -> None:
+        """Walk a segment and check its arrays' metadata, once per reader; CacheCorruptError
+        naming the segment and every problem. Threads may race to check: the check is idempotent."""
+        with self._lock:
+            if rec.name in self._checked:
+                return
+        found, problems = segment_files(self.root, rec.name)
+        if self._check_segment_files:
+            problems += listing_problems(rec, found)
+        if not problems:
+            problems = array_problems(self.root, rec, found, self.layouts(rec))
+        if problems:
+            raise CacheCorruptError(f"segment {rec.name} is damaged: {'; '.join(problems)}")
+        with self._lock:
+            self._checked.add(rec.name)
+
     def _array(self, name: str, key: str) -> zarr.Array:
-        rec = self.record(name)
-        if self._check_segment_files and name not in self._checked:
-            problems = check_files(self.root, rec)
-            if problems:
-                raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
-            self._checked.add(name)
         cached = self._open.get((name, key))
         if cached is not None:
             return cached
+        rec = self.record(name)
+        self.check_segment(rec)
+        layout = self.layouts(rec).get(key)
+        if layout is None:
+            raise UserError(f"segment {name} has no array {key!r}")
         store = LocalStore(segment_dir(self.root, name), read_only=True)
-        arr = zarr.open_array(store, path=key, mode="r")
-        self._check_shape(rec, key, arr)
-        if len(self._open) >= OPEN_ARRAYS:  # opening parses JSON: keep recent arrays open
-            self._open.pop(next(iter(self._open)))
-        self._open[(name, key)] = arr
+        try:
+            arr = zarr.open_array(store, path=key, mode="r", zarr_format=3)
+        except (ValueError, TypeError, KeyError, OSError) as e:  # metadata passed our check but not zarr's
+            raise CacheCorruptError(f"segment {name}: array {key} cannot be opened ({type(e).__name__}: {e})") from None
+        if tuple(arr.shape) != layout.shape or np.dtype(arr.dtype) != layout.dtype:  # changed since checked
+            raise CacheCorruptError(f"segment {name}: array {key} changed while it was being read")
+        self._open.put((name, key), arr)
         return arr
 
-    def _check_shape(self, rec: SegmentRecord, key: str, arr: zarr.Array) -> None:
-        """Refuse arrays whose recorded shape disagrees with the commit, before allocating."""
-        m = self.manifest
-        specs = self.codec.arrays(m.n_layers, m.hidden_size)
-        expected: tuple[int, ...]
-        if key in specs:
-            expected, dtype = (rec.num_tokens, specs[key].columns), specs[key].dtype
-        elif key in ("input_ids", "loss_mask"):
-            expected, dtype = (rec.num_tokens,), TOKEN_ARRAYS[key]
-        else:
-            expected, dtype = (rec.num_samples + (key == "offsets"),), TOKEN_ARRAYS[key]
-        if tuple(arr.shape) != expected or np.dtype(arr.dtype) != dtype:
-            raise CacheCorruptError(
-                f"segment {rec.name}: array {key} is {arr.dtype}{list(arr.shape)}, "
-                f"expected {dtype}{list(expected)}"
-            )
-
     def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        arr = self._array(name, key)
         try:
-            return np.asarray(self._array(name, key)[start:stop])
-        except (CacheCorruptError, UserError):
-            raise
-        except Exception as e:  # zarr raises assorted types for a failed checksum or decode
+            return np.asarray(arr[start:stop])
+        except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
 
     def read_segment(self, name: str) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from dflash_cache.codecs import TOKEN_ARRAYS, ArraySpec, zstd_chain
+from dflash_cache.codecs import TOKEN_ARRAYS, ArraySpec, codec_names, token_spec
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import TMP_SUFFIX, read_json, write_json_atomic
+from dflash_cache.jsonio import INT64_MAX, TMP_SUFFIX, inside, load_dataclass, read_json, write_json_atomic
 
 SEGMENTS_DIR = "segments"
 COMMITS_DIR = "commits"
@@ -39,18 +40,25 @@ CHUNK_BYTES = 8 << 20  # target bytes per compressed chunk inside a shard
 SHARD_BYTES = 96 << 20  # target bytes per shard file: several per large segment, so zarr
                         # compresses them concurrently and one segment's write is not serial
 MAX_SEGMENT_TOKENS = 1 << 24
+MAX_SEGMENT_FILES = 1 << 16  # far above a real segment's (5-6 arrays, one shard per SHARD_BYTES)
+CHUNK_SLACK = 4  # a received chunk may decode to this many times CHUNK_BYTES (or 16 rows), no more
+MAX_CHUNKS_PER_SHARD = 1 << 16  # bounds a shard's index (16 bytes per chunk)
+MAX_ARRAY_META_BYTES = 1 << 20  # an array's zarr.json (the writer's are ~1.5 KB)
+# Integer ranges of commit-record fields, by field name (default: [0, 2**63)).
+_RECORD_BOUNDS: dict[str, tuple[int, int]] = {
+    "unit": (0, 999_999),
+    "batch": (0, 99_999),
+    "bucket": (0, (1 << 15) - 1),  # the index stores buckets as int16
+    "rank": (0, (1 << 31) - 1),
+    "num_tokens": (1, MAX_SEGMENT_TOKENS),
+    "sample_ids": (-INT64_MAX - 1, INT64_MAX),
+    "lengths": (1, MAX_SEGMENT_TOKENS),
+    "supervised": (0, MAX_SEGMENT_TOKENS),
+}
 
 
 def segment_name(unit: int, batch: int) -> str:
     return f"u{unit:06d}-b{batch:05d}"
-
-
-def inside(root: Path, path: Path) -> Path:
-    """`path` resolved, or CacheCorruptError if it leaves `root` (symlinks included)."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise CacheCorruptError(f"cache path {path} points outside the cache root {root}; refusing to read it")
-    return resolved
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +84,11 @@ class SegmentRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any], *, where: str) -> SegmentRecord:
+    def from_json(cls, obj: Any, *, where: str) -> SegmentRecord:
+        """Parse and check a record: exact JSON types (a string is never a list), ranges, sums."""
         try:
-            rec = cls(
-                name=str(obj["name"]),
-                unit=int(obj["unit"]),
-                batch=int(obj["batch"]),
-                bucket=int(obj["bucket"]),
-                rank=int(obj["rank"]),
-                num_tokens=int(obj["num_tokens"]),
-                sample_ids=tuple(int(i) for i in obj["sample_ids"]),
-                lengths=tuple(int(i) for i in obj["lengths"]),
-                supervised=tuple(int(i) for i in obj["supervised"]),
-                files={str(k): int(v) for k, v in dict(obj["files"]).items()},
-            )
-        except (KeyError, TypeError, ValueError) as e:
+            rec = load_dataclass(cls, obj, "record", _RECORD_BOUNDS)
+        except ValueError as e:
             raise CacheCorruptError(f"commit record {where} is malformed ({e})") from None
         rec.check(where)
         return rec
@@ -110,6 +108,8 @@ class SegmentRecord:
         for rel, size in self.files.items():
             if rel.startswith("/") or ".." in Path(rel).parts or size < 0:
                 problems.append(f"bad file entry {rel!r}")
+        if len(self.files) > MAX_SEGMENT_FILES:
+            problems.append(f"{len(self.files)} files listed, more than {MAX_SEGMENT_FILES}")
         if problems:
             raise CacheCorruptError(f"commit record {where}: {'; '.join(problems)}")
 
@@ -120,8 +120,14 @@ def chunk_rows(row_bytes: int) -> int:
     return int(min(65536, max(16, 1 << (rows.bit_length() - 1))))
 
 
+def max_chunk_rows(row_bytes: int) -> int:
+    """The most rows a received chunk may hold: `chunk_rows` with slack for other settings."""
+    return max(16, CHUNK_SLACK * CHUNK_BYTES // max(1, row_bytes))
+
+
 def write_array(store: LocalStore, name: str, data: np.ndarray, compressors: tuple | list) -> None:
-    """One array as a single shard file of checksummed, compressed chunks, written in one call."""
+    """An array as shard files of checksummed, compressed chunks, each shard written in one call.
+    Every shard is written, all-zero ones too: a missing shard file then always means damage."""
     row_bytes = data.dtype.itemsize * (data.shape[1] if data.ndim == 2 else 1)
     rows = min(chunk_rows(row_bytes), max(16, data.shape[0]))
     per_shard = max(1, SHARD_BYTES // (rows * row_bytes))
@@ -136,6 +142,7 @@ def write_array(store: LocalStore, name: str, data: np.ndarray, compressors: tup
         compressors=list(compressors),
         filters=[],
         fill_value=0,
+        config={"write_empty_chunks": True},
     )
 
 
@@ -190,7 +197,7 @@ def write_segment(
         "sample_ids": sample_ids.astype(TOKEN_ARRAYS["sample_ids"], copy=False),
     }
     for key, arr in tokens.items():
-        write_array(store, key, arr, zstd_chain(arr.dtype.itemsize))
+        write_array(store, key, arr, token_spec(key).compressors)
     for key, arr in feature_arrays.items():
         write_array(store, key, arr, feature_specs[key].compressors)
     fsync_tree(seg_dir)
@@ -241,21 +248,189 @@ def segment_dir(root: Path, name: str) -> Path:
     return inside(root, root / SEGMENTS_DIR / name)
 
 
-def check_files(root: Path, record: SegmentRecord) -> list[str]:
-    """Problems with the files a record lists (missing, resized, outside the root); [] if none."""
-    seg = segment_dir(root, record.name)
+# --- checking a received segment -------------------------------------------------------------
+# `segment_files` walks a segment directory once: every path (symlinks resolved) must stay inside
+# the cache root and be a directory or a regular file. `listing_problems` compares what it found
+# with the record's file list; `array_problems` holds each array's zarr.json to what `write_array`
+# produces and requires every shard file zarr will read. Together they cover every file zarr opens.
+
+Found = dict[str, int | None]  # relative path -> size; None: unusable, its problem already reported
+
+
+def segment_files(root: Path, name: str) -> tuple[Found, list[str]]:
+    """The files under a segment's directory and the problems met walking it (a missing directory
+    is no problem here: the record's list then reports every file missing)."""
+    seg = segment_dir(root, name)
+    if not seg.exists():
+        return {}, []
+    if not seg.is_dir():
+        return {}, [f"{SEGMENTS_DIR}/{name} is not a directory"]
+    found: Found = {}
+    problems: list[str] = []
+    base, pending, seen = root.resolve(), [(seg, "")], {seg}
+    while pending:
+        directory, prefix = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                path, st, problem = _resolve_entry(base, Path(entry.path), entry.is_symlink(), rel)
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    if path not in seen:  # a link back up the tree is walked once
+                        seen.add(path)
+                        pending.append((path, rel + "/"))
+                    continue
+                found[rel] = None if st is None else st.st_size
+                if problem:
+                    problems.append(problem)
+                if len(found) > MAX_SEGMENT_FILES:
+                    return found, [*problems, f"more than {MAX_SEGMENT_FILES} files"]
+    return found, problems
+
+
+def _resolve_entry(base: Path, path: Path, is_link: bool, rel: str) -> tuple[Path, os.stat_result | None, str | None]:
+    """(path resolved if a link, its stat, None) for a directory or regular file inside `base`;
+    (path, None, problem) for anything else."""
+    if is_link:
+        try:
+            path = inside(base, path)
+        except CacheCorruptError as e:
+            return path, None, str(e)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path, None, f"{rel} is a broken link"
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return path, None, f"{rel} is not a regular file"
+    return path, st, None
+
+
+def listing_problems(record: SegmentRecord, found: Found) -> list[str]:
+    """Files the record lists that are missing or resized, and files it does not list."""
     problems = []
     for rel, size in record.files.items():
-        path = seg / rel
-        try:
-            inside(root, path)
-        except CacheCorruptError as e:
-            problems.append(str(e))
-            continue
-        if not path.is_file():
+        if rel not in found:
             problems.append(f"{rel} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{rel} is {path.stat().st_size} bytes, the commit recorded {size}")
+        elif found[rel] is not None and found[rel] != size:
+            problems.append(f"{rel} is {found[rel]} bytes, the commit recorded {size}")
+    problems += [f"{rel} is not in the commit record" for rel, size in found.items()
+                 if size is not None and rel not in record.files]
+    return problems
+
+
+def check_files(root: Path, record: SegmentRecord) -> list[str]:
+    """Problems with a segment's files (missing, resized, unlisted, outside the root, not regular
+    files); [] if none."""
+    found, problems = segment_files(root, record.name)
+    return problems + listing_problems(record, found)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayLayout:
+    """What `write_array` makes of one array of a segment. `zeros` marks an array the record says
+    is all zeros: caches written before every shard was kept may lack its shard file."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    compressors: tuple
+    zeros: bool = False
+
+
+def segment_layouts(record: SegmentRecord, feature_specs: dict[str, ArraySpec]) -> dict[str, ArrayLayout]:
+    """The layout of every array of a segment, from its record and the codec's array specs."""
+    t, n = record.num_tokens, record.num_samples
+    shapes = {"input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,), "sample_ids": (n,)}
+    zeros = {"loss_mask": not any(record.supervised), "sample_ids": not any(record.sample_ids)}
+    out = {key: ArrayLayout(shapes[key], token_spec(key).dtype, token_spec(key).compressors, zeros.get(key, False))
+           for key in TOKEN_ARRAYS}
+    out |= {key: ArrayLayout((t, spec.columns), spec.dtype, spec.compressors) for key, spec in feature_specs.items()}
+    return out
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    ok = isinstance(value, list) and all(type(v) is int and v >= 1 for v in value)
+    return tuple(value) if ok else None
+
+
+def _conf(obj: Any, name: str) -> dict:
+    """The configuration of a `{"name": name, "configuration": {...}}` entry, or ValueError."""
+    if not isinstance(obj, dict) or obj.get("name") != name or not isinstance(obj.get("configuration"), dict):
+        raise ValueError(f"expected a {name!r} entry")
+    return obj["configuration"]
+
+
+def _names(chain: Any) -> list[Any]:
+    return [c.get("name") if isinstance(c, dict) else None for c in chain] if isinstance(chain, list) else []
+
+
+def meta_grid(meta: Any, layout: ArrayLayout) -> tuple[int, int]:
+    """Check an array's zarr.json against the writer's layout; returns (rows per chunk, rows per
+    shard). Raises
+    ValueError before anything is allocated: another shape, dtype, key encoding or codec chain,
+    or chunks and shards larger than the writer makes (a chunk bomb)."""
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise ValueError("not a zarr v3 array")
+    want = layout.shape
+    if _shape(meta.get("shape")) != want or meta.get("data_type") != layout.dtype.name:
+        raise ValueError(f"is {meta.get('data_type')}{meta.get('shape')!r}, expected {layout.dtype.name}{list(want)}")
+    if _conf(meta.get("chunk_key_encoding"), "default") != {"separator": "/"} or meta.get("storage_transformers"):
+        raise ValueError("uses a chunk key encoding or storage transformer the writer never makes")
+    codecs = meta.get("codecs")
+    sharding = _conf(codecs[0] if isinstance(codecs, list) and len(codecs) == 1 else None, "sharding_indexed")
+    chain = ["bytes", *codec_names(layout.compressors)]
+    if _names(sharding.get("codecs")) != chain or _names(sharding.get("index_codecs")) != ["bytes", "crc32c"]:
+        raise ValueError(f"codecs differ from the writer's ({chain})")
+    shard = _shape(_conf(meta.get("chunk_grid"), "regular").get("chunk_shape"))
+    chunk = _shape(sharding.get("chunk_shape"))
+    if chunk is None or shard is None or chunk[1:] != want[1:] or shard[1:] != want[1:]:
+        raise ValueError(f"chunk shape {sharding.get('chunk_shape')} or shard shape is not whole rows of {list(want)}")
+    _check_rows(chunk[0], shard[0], want[0], layout.dtype.itemsize * int(np.prod(want[1:], dtype=np.int64)))
+    return chunk[0], shard[0]
+
+
+def _check_rows(chunk: int, shard: int, rows: int, row_bytes: int) -> None:
+    """Chunk and shard rows within what `write_array` could have chosen for `rows` rows."""
+    per_shard, whole = shard // chunk, -(-rows // chunk) * chunk
+    if chunk > max_chunk_rows(row_bytes) or shard % chunk or not 1 <= per_shard <= MAX_CHUNKS_PER_SHARD \
+            or shard > whole:
+        raise ValueError(f"chunk rows {chunk} / shard rows {shard} exceed what the writer makes")
+
+
+def shard_keys(key: str, shape: tuple[int, ...], shard_rows: int) -> list[str]:
+    """The files zarr reads for an array sharded by whole rows, in row order."""
+    tail = "/0" * (len(shape) - 1)
+    return [f"{key}/c/{i}{tail}" for i in range(-(-shape[0] // shard_rows))]
+
+
+def _shard_problem(rel: str, size: int | None, layout: ArrayLayout, index_bytes: int) -> str | None:
+    """zarr reads an absent or empty shard as zeros: either is damage (unless the record says zeros)."""
+    if size is None:
+        return None if layout.zeros else f"{rel} is missing"
+    if size < index_bytes:
+        return f"{rel} is {size} bytes, too short to hold its shard index"
+    return None
+
+
+def array_problems(root: Path, record: SegmentRecord, found: Found, layouts: dict[str, ArrayLayout]) -> list[str]:
+    """Problems with a segment's arrays: metadata unlike the writer's, or a shard file that zarr
+    would silently read as zeros because it is absent or empty."""
+    seg = segment_dir(root, record.name)
+    problems = []
+    for key, layout in layouts.items():
+        meta_rel = f"{key}/zarr.json"
+        if found.get(meta_rel) is None:
+            problems.append(f"{meta_rel} is missing")
+            continue
+        try:
+            chunk, shard = meta_grid(read_json(seg / meta_rel, max_bytes=MAX_ARRAY_META_BYTES), layout)
+        except (ValueError, OSError) as e:
+            problems.append(f"array {key}: {e}")
+            continue
+        index_bytes = 16 * (shard // chunk) + 4  # a shard ends in (offset, length) per chunk and a CRC32C
+        shard_problems = (_shard_problem(rel, found.get(rel), layout, index_bytes)
+                          for rel in shard_keys(key, layout.shape, shard))
+        first = next((p for p in shard_problems if p), None)  # one per array is enough to name it
+        if first:
+            problems.append(first)
     return problems
 
 

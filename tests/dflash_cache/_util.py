@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType, ModuleType
+from typing import Any
 
 import numpy as np
 import torch
 
 from dflash_cache.codecs import get_codec, to_stored_numpy
 from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
-from dflash_cache.segments import COMMITS_DIR, SegmentRecord, write_segment
+from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name, write_segment
 
 VOCAB = 1000
 
@@ -81,3 +89,70 @@ def flip_byte(path: Path, pos: int | None = None) -> int:
     data[pos] ^= 0xFF
     path.write_bytes(bytes(data))
     return pos
+
+
+def many_segments(root: Path, count: int, *, distinct: int = 8, hidden_size: int = 4) -> list[str]:
+    """A cache of `count` tiny committed segments, fast: `distinct` are written by write_segment
+    with their own random data, the rest hard-link a written one's files under their own name and
+    commit a record of their own (their sample ids differ; their stored data repeats). Good for
+    exercising the reader's bookkeeping of many segments; not a cache for `verify`."""
+    (root / COMMITS_DIR).mkdir(parents=True, exist_ok=True)
+    m = make_manifest("bf16", layer_ids=(1,), hidden_size=hidden_size, num_segments=count,
+                      num_samples=2 * count, num_tokens=10 * count)
+    write_manifest(root, m)
+    written = [write_synthetic_segment(root, m, batch=b, lengths=(4, 6), first_id=2 * b, seed=b)[0]
+               for b in range(distinct)]
+    names = [rec.name for rec in written]
+    for k in range(distinct, count):
+        src, (unit, batch) = written[k % distinct], divmod(k, 100)
+        name = segment_name(unit, batch)
+        for rel in src.files:
+            dst = root / SEGMENTS_DIR / name / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(root / SEGMENTS_DIR / src.name / rel, dst)
+        record = src.to_json() | {"name": name, "unit": unit, "batch": batch, "sample_ids": [2 * k, 2 * k + 1]}
+        (root / COMMITS_DIR / f"{name}.json").write_text(json.dumps(record))
+        names.append(name)
+    return names
+
+
+def preempt_in(module: ModuleType) -> Callable:
+    """A `sys.settrace` function that yields the GIL before every bytecode run in `module`: a
+    race on its shared state then shows within a few hundred calls instead of once in a while."""
+
+    def each_opcode(frame: FrameType, event: str, arg: Any) -> Callable:
+        time.sleep(0)
+        return each_opcode
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Callable | None:
+        if frame.f_code.co_filename != module.__file__:
+            return None
+        frame.f_trace_opcodes = True
+        return each_opcode
+
+    return on_call
+
+
+def finishes_within(seconds: float, fn: Callable[[], Any], fifo: Path | None = None) -> tuple[bool, Any]:
+    """(finished, result or exception) of `fn` run in a daemon thread for at most `seconds`. If it
+    is still blocked then, every open waiting on `fifo` (zarr's I/O threads included, which the
+    interpreter would wait for at exit) is released by opening the FIFO's other end, so a failing
+    test never hangs the run."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # handed to the test to assert on
+            box.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    finished = not thread.is_alive()
+    deadline = time.monotonic() + seconds
+    while fifo is not None and thread.is_alive() and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):  # ENXIO: nobody is waiting on the FIFO right now
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(0.05)
+    return finished, box[0] if finished and box else None

@@ -95,3 +95,79 @@ def test_non_object_or_broken_manifest_file_refused(tmp_path, text):
 def test_missing_manifest_says_not_a_cache(tmp_path):
     with pytest.raises(CacheCorruptError, match="is not a dflash-cache"):
         read_manifest(tmp_path)
+
+
+def _nested(depth: int) -> dict:
+    obj: dict = {}
+    for _ in range(depth):
+        obj = {"a": obj}
+    return obj
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # issue 16.10: strings and other types are never coerced
+    (lambda o: o["plan"].update(bucket_bounds="0,770"), "plan.bucket_bounds must be a list of integers"),
+    (lambda o: o["plan"].update(num_segments="5"), "plan.num_segments must be an integer"),
+    (lambda o: o.update(layer_ids="12345"), "manifest.layer_ids must be a list of integers"),  # was [1,2,3,4,5]
+    (lambda o: o.update(layer_ids=[1.0, 3]), "layer_ids must hold integers"),
+    (lambda o: o.update(hidden_size="32"), "manifest.hidden_size must be an integer"),
+    (lambda o: o.update(hidden_size=32.0), "manifest.hidden_size must be an integer"),
+    (lambda o: o.update(hidden_size=True), "manifest.hidden_size must be an integer"),
+    (lambda o: o["plan"].update(max_len="100"), "plan.max_len must be an integer"),
+    (lambda o: o.update(codec=["bf16"]), "manifest.codec must be a string"),
+    (lambda o: o.update(dataset_fingerprint=None), "dataset_fingerprint must be a string"),
+    (lambda o: o["target"].update(name=7), "target.name must be a string"),
+    (lambda o: o.update(extra=[1]), "manifest.extra must be an object"),
+    (lambda o: o.update(surprise=1), "unknown field 'surprise'"),
+    # ranges: sizes a reader would allocate by
+    (lambda o: o.update(hidden_size=128000), r"hidden_size must be an integer in \[1, 65536\], not 128000"),
+    (lambda o: o.update(hidden_size=0), r"hidden_size must be an integer in \[1, 65536\]"),
+    (lambda o: o["target"].update(num_hidden_layers=0), "num_hidden_layers must be an integer"),
+    (lambda o: o["target"].update(vocab_size=-1), "vocab_size must be an integer"),
+    (lambda o: o.update(layer_ids=[-1]), "layer_ids must hold integers in"),
+    (lambda o: o.update(layer_ids=list(range(300))), "layer_ids must name 1 to 256 layers, not 300"),
+    (lambda o: o.update(layer_ids=[]), "layer_ids must name 1 to 256 layers, not 0"),
+    (lambda o: o.update(layer_ids=list(range(32)), hidden_size=65536), "exceed 1048576 feature columns"),
+    (lambda o: o["plan"].update(bucket_bounds=[770, 0]), "bucket_bounds must be a non-empty increasing list"),
+    (lambda o: o["plan"].update(bucket_bounds=[]), "bucket_bounds must be a non-empty increasing list"),
+    (lambda o: o["plan"].update(token_budget=0), "plan.token_budget must be an integer"),
+    (lambda o: o["plan"].update(num_tokens=-5), "plan.num_tokens must be an integer"),
+    # free-form `extra` is bounded in depth: later code recurses into it (asdict, mismatches)
+    (lambda o: o.update(extra=_nested(900)), "extra must be an object nested at most 16 deep"),
+])
+def test_manifest_field_types_and_ranges_are_checked(mutate, message):
+    obj = json.loads(json.dumps(make_manifest().to_json()))
+    mutate(obj)
+    with pytest.raises(CacheCorruptError, match=f"manifest is malformed .*{message}") as ei:
+        Manifest.from_json(obj)
+    assert "\n" not in str(ei.value)
+
+
+def test_manifest_optional_fields_may_be_absent():
+    """Fields with defaults (added over time) may be missing from older manifests."""
+    obj = json.loads(json.dumps(make_manifest().to_json()))
+    for key in ("extra", "features", "tool_version"):
+        del obj[key]
+    del obj["target"]["weights_fingerprint"]
+    m = Manifest.from_json(obj)
+    assert m.extra == {} and m.target.weights_fingerprint == "" and m.plan.max_len is None
+
+
+def test_bool_format_version_refused():
+    obj = make_manifest().to_json() | {"format_version": True}  # True == 1 in Python
+    with pytest.raises(CacheCorruptError, match="format version True is not supported"):
+        Manifest.from_json(obj)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000])
+def test_deeply_nested_manifest_file_is_one_line_error(tmp_path, text):
+    (tmp_path / MANIFEST_FILE).write_text(text)
+    with pytest.raises(CacheCorruptError, match="nested too deeply") as ei:
+        read_manifest(tmp_path)
+    assert "\n" not in str(ei.value)
+
+
+def test_oversized_manifest_file_is_refused_before_reading(tmp_path):
+    (tmp_path / MANIFEST_FILE).write_text(" " * (2 << 20) + "{}")
+    with pytest.raises(CacheCorruptError, match="more than the 1048576"):
+        read_manifest(tmp_path)

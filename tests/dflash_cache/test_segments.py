@@ -51,19 +51,33 @@ def test_good_record_parses_and_round_trips():
         ({"files": {"../../../etc/passwd": 10}}, "bad file entry"),
         ({"files": {"features/../../x": 10}}, "bad file entry"),
         ({"files": {"/etc/passwd": 10}}, "bad file entry"),
-        ({"files": {"zarr.json": -1}}, "bad file entry"),
+        ({"files": {"zarr.json": -1}}, r"files\['zarr.json'\] must be an integer in \[0, "),
         ({"lengths": [10, 21]}, "lengths do not add up"),
-        ({"lengths": [0, 30]}, "lengths do not add up"),
+        ({"lengths": [0, 30]}, r"lengths must hold integers in \[1, "),
         ({"lengths": [10, 20, 5], "num_tokens": 35}, "disagree in length"),
         ({"supervised": [5]}, "disagree in length"),
-        ({"sample_ids": [], "lengths": [], "supervised": [], "num_tokens": 0}, "empty"),
+        ({"sample_ids": [], "lengths": [], "supervised": [], "num_tokens": 0}, "num_tokens must be an integer"),
+        ({"sample_ids": [], "lengths": [], "supervised": []}, "empty"),
         ({"supervised": [11, 20]}, "supervised counts exceed"),
-        ({"supervised": [-1, 20]}, "supervised counts exceed"),
-        ({"num_tokens": 10**15, "lengths": [10, 10**15 - 10]}, "out of range"),
-        ({"num_tokens": MAX_SEGMENT_TOKENS + 1, "lengths": [1, MAX_SEGMENT_TOKENS]}, "out of range"),
+        ({"supervised": [-1, 20]}, r"supervised must hold integers in \[0, "),
+        ({"num_tokens": 10**15, "lengths": [10, 10**15 - 10]}, rf"num_tokens must be an integer in \[1, {MAX_SEGMENT_TOKENS}\]"),
+        ({"num_tokens": MAX_SEGMENT_TOKENS + 1, "lengths": [1, MAX_SEGMENT_TOKENS]}, "num_tokens must be an integer"),
         ({"num_tokens": "lots"}, "malformed"),
         ({"lengths": None}, "malformed"),
         ({"files": ["zarr.json"]}, "malformed"),
+        # strict JSON types (issue 16.10): nothing is coerced
+        ({"sample_ids": "12"}, "sample_ids must be a list of integers"),  # was read as (1, 2)
+        ({"lengths": "12"}, "lengths must be a list of integers"),
+        ({"sample_ids": [4.0, 9]}, "sample_ids must hold integers"),
+        ({"sample_ids": [True, 9]}, "sample_ids must hold integers"),
+        ({"num_tokens": 30.0}, "num_tokens must be an integer"),
+        ({"unit": "3"}, "unit must be an integer"),
+        ({"rank": False}, "rank must be an integer"),
+        ({"bucket": 40000}, r"bucket must be an integer in \[0, 32767\]"),  # the index stores int16
+        ({"name": 5}, "name must be a string"),
+        ({"files": {"zarr.json": "100"}}, r"files\['zarr.json'\] must be an integer"),
+        ({"files": {"zarr.json": 1.5}}, r"files\['zarr.json'\] must be an integer"),
+        ({"extra": 1}, "unknown field 'extra'"),
     ],
 )
 def test_malformed_records_refused(change, message):
@@ -76,7 +90,13 @@ def test_malformed_records_refused(change, message):
 def test_missing_key_refused():
     obj = good_record()
     del obj["files"]
-    with pytest.raises(CacheCorruptError, match="malformed"):
+    with pytest.raises(CacheCorruptError, match="malformed.*lacks field 'files'"):
+        SegmentRecord.from_json(obj, where="w")
+
+
+@pytest.mark.parametrize("obj", [[], "record", 3, None])
+def test_record_that_is_not_an_object_refused(obj):
+    with pytest.raises(CacheCorruptError, match="commit record w is malformed"):
         SegmentRecord.from_json(obj, where="w")
 
 
@@ -189,9 +209,10 @@ def test_deleted_shard_reported_never_zeros(tmp_path):
     for call in (lambda: r.sample(1), lambda: r.read_segment(rec.name), lambda: r.read_array(rec.name, "features")):
         with pytest.raises(CacheCorruptError, match=rf"segment {rec.name} is damaged: features/c/0/0 is missing"):
             call()
-    # the file really would read as zeros if nobody checked (the reason for the file list)
-    unchecked = CacheReader(tmp_path, check_segment_files=False).read_array(rec.name, "features")
-    assert not unchecked.any()
+    # zarr alone would read the absent shard as zeros; even without the record's file list the
+    # reader knows from the array's metadata which shard files must exist (issue 16.9)
+    with pytest.raises(CacheCorruptError, match=rf"segment {rec.name} is damaged: features/c/0/0 is missing"):
+        CacheReader(tmp_path, check_segment_files=False).read_array(rec.name, "features")
 
 
 def test_deleted_token_shard_reported(tmp_path):

@@ -1,0 +1,349 @@
+"""A received cache is inert: symlinks out of the root, FIFOs, chunk bombs, size and type lies.
+
+Issue 16 items 7-10. Each case builds a small hostile cache and expects one line of
+CacheCorruptError, quickly, without following the link, blocking, or allocating what it claims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from zarr.storage import LocalStore
+
+from dflash_cache.errors import CacheCorruptError
+from dflash_cache.jsonio import read_json
+from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE, read_manifest, write_manifest
+from dflash_cache.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
+from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, list_files, read_records
+from tests.dflash_cache._util import finishes_within, make_manifest, synthetic_cache, write_synthetic_segment
+
+NAME = "u000000-b00000"
+TIMEOUT = 10.0  # seconds: a FIFO that is opened blocks forever, a refused one takes milliseconds
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert "\n" not in msg and msg, msg
+    return msg
+
+
+def _seg(root: Path) -> Path:
+    return root / SEGMENTS_DIR / NAME
+
+
+def _edit_record(root: Path, edit) -> None:
+    """Change the commit record as a hostile sender would (the record is theirs too)."""
+    path = root / COMMITS_DIR / f"{NAME}.json"
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _relist(root: Path) -> None:
+    """Make the record's file list match the segment directory exactly (sizes included), so only
+    the property under test is wrong."""
+    _edit_record(root, lambda obj: obj.update(files=list_files(_seg(root))))
+
+
+def _unlist(root: Path, rel: str) -> None:
+    _edit_record(root, lambda obj: obj["files"].pop(rel))
+
+
+def _move_out(root: Path, rel: str, outside: Path) -> None:
+    """Replace `rel` (file or directory) under the segment by a symlink to a copy outside the root."""
+    path = _seg(root) / rel
+    shutil.move(path, outside)
+    os.symlink(outside, path, target_is_directory=outside.is_dir())
+
+
+def _read_all(root: Path) -> None:
+    r = CacheReader(root)
+    r.read_segment(NAME)
+    r.sample(1)
+
+
+# --- 16.7: symlinks leaving the root --------------------------------------------------------
+@pytest.mark.parametrize("rel", ["features/c/0/0", "features/zarr.json", "input_ids/c/0", "zarr.json"])
+def test_unlisted_symlink_out_of_the_root_is_refused(tmp_path, rel):
+    """The file is dropped from the record's list, so the old per-listed-file check never saw it."""
+    root = tmp_path / "cache"
+    synthetic_cache(root)
+    _move_out(root, rel, tmp_path / "outside")
+    _unlist(root, rel)
+    assert (_seg(root) / rel).is_file()  # the data is intact through the link
+    with pytest.raises(CacheCorruptError, match=f"segment {NAME} is damaged: .*outside the cache root") as ei:
+        _read_all(root)
+    _one_line(ei.value)
+    assert any("outside the cache root" in p for p in check_files(root, read_records(root)[0]))
+
+
+def test_symlinked_directory_inside_segment_out_of_the_root_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    synthetic_cache(root)
+    _move_out(root, "features/c", tmp_path / "outside")
+    _unlist(root, "features/c/0/0")
+    with pytest.raises(CacheCorruptError, match="outside the cache root"):
+        _read_all(root)
+
+
+def test_manifest_symlink_out_of_the_root_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    synthetic_cache(root)
+    shutil.move(root / MANIFEST_FILE, tmp_path / "manifest.json")
+    os.symlink(tmp_path / "manifest.json", root / MANIFEST_FILE)
+    for call in (lambda: read_manifest(root), lambda: CacheReader(root)):
+        with pytest.raises(CacheCorruptError, match="points outside the cache root"):
+            call()
+
+
+def test_parquet_symlink_out_of_the_root_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    synthetic_cache(root)
+    write_index(root, read_records(root))
+    shutil.move(root / INDEX_FILE, tmp_path / "index.parquet")
+    os.symlink(tmp_path / "index.parquet", root / INDEX_FILE)
+    r = CacheReader(root)
+    assert "outside the cache root" in r.index_problem
+    assert r.index.equals(build_index(r.records))
+    with pytest.raises(CacheCorruptError, match="outside the cache root"):
+        read_parquet(root, INDEX_FILE)
+
+
+def test_symlinks_that_stay_inside_the_root_are_followed(tmp_path):
+    """Links are not damage in themselves: one to a file elsewhere inside the cache reads fine."""
+    root = tmp_path / "cache"
+    _, [(rec, inp)] = synthetic_cache(root)
+    shard = _seg(root) / "features" / "c" / "0" / "0"
+    shutil.move(shard, root / "elsewhere.bin")
+    os.symlink(root / "elsewhere.bin", shard)
+    assert check_files(root, rec) == []
+    stored = CacheReader(root).read_segment(NAME)["features"]
+    assert np.array_equal(stored, inp["stored"]["features"])
+
+
+def test_unlisted_file_in_a_segment_is_reported(tmp_path):
+    root = tmp_path / "cache"
+    _, [(rec, _)] = synthetic_cache(root)
+    (_seg(root) / "features" / "c" / "9").write_bytes(b"x")
+    assert check_files(root, rec) == ["features/c/9 is not in the commit record"]
+    with pytest.raises(CacheCorruptError, match="features/c/9 is not in the commit record"):
+        _read_all(root)
+
+
+# --- 16.8: FIFOs ------------------------------------------------------------------------------
+def _fifo(path: Path) -> Path:
+    path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def _refused_in_time(fn, fifo: Path, match: str) -> None:
+    finished, result = finishes_within(TIMEOUT, fn, fifo)
+    assert finished, f"blocked on the FIFO {fifo}"
+    assert isinstance(result, CacheCorruptError) and match in str(result), result
+    _one_line(result)
+
+
+def test_fifo_commit_record_does_not_hang(tmp_path):
+    synthetic_cache(tmp_path)
+    fifo = _fifo(tmp_path / COMMITS_DIR / f"{NAME}.json")
+    _refused_in_time(lambda: CacheReader(tmp_path), fifo, "not a regular file")
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_fifo_shard_does_not_hang(tmp_path, listed):
+    synthetic_cache(tmp_path)
+    fifo = _fifo(_seg(tmp_path) / "features" / "c" / "0" / "0")
+    if not listed:
+        _unlist(tmp_path, "features/c/0/0")
+    _refused_in_time(lambda: _read_all(tmp_path), fifo, "features/c/0/0 is not a regular file")
+    _refused_in_time(lambda: CacheReader(tmp_path, check_segment_files=False).read_array(NAME, "features"),
+                     fifo, "is not a regular file")
+
+
+def test_fifo_array_metadata_does_not_hang(tmp_path):
+    synthetic_cache(tmp_path)
+    fifo = _fifo(_seg(tmp_path) / "features" / "zarr.json")
+    _refused_in_time(lambda: _read_all(tmp_path), fifo, "features/zarr.json is not a regular file")
+
+
+def test_fifo_manifest_does_not_hang(tmp_path):
+    synthetic_cache(tmp_path)
+    fifo = _fifo(tmp_path / MANIFEST_FILE)
+    _refused_in_time(lambda: CacheReader(tmp_path), fifo, "is not a regular file")
+
+
+@pytest.mark.parametrize("name", [INDEX_FILE, PLAN_FILE])
+def test_fifo_parquet_does_not_hang(tmp_path, name):
+    synthetic_cache(tmp_path)
+    write_index(tmp_path, read_records(tmp_path))
+    (tmp_path / PLAN_FILE).write_bytes(b"")
+    fifo = _fifo(tmp_path / name)
+    _refused_in_time(lambda: read_parquet(tmp_path, name), fifo, "not a regular file")
+    if name == INDEX_FILE:
+        finished, problem = finishes_within(TIMEOUT, lambda: CacheReader(tmp_path).index_problem, fifo)
+        assert finished and "not a regular file" in problem
+
+
+def test_read_json_refuses_a_fifo_without_blocking(tmp_path):
+    fifo = tmp_path / "x.json"
+    os.mkfifo(fifo)
+    finished, result = finishes_within(TIMEOUT, lambda: read_json(fifo), fifo)
+    assert finished and isinstance(result, ValueError) and "not a regular file" in str(result)
+
+
+# --- 16.9: chunk bombs and size lies ----------------------------------------------------------
+def _rewrite_meta(root: Path, key: str, edit) -> None:
+    path = _seg(root) / key / "zarr.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    _relist(root)
+
+
+def _sharding(meta: dict) -> dict:
+    return meta["codecs"][0]["configuration"]
+
+
+def _refused_small(root: Path, match: str) -> None:
+    """Refused with one line, having allocated next to nothing."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(CacheCorruptError, match=match) as ei:
+            _read_all(root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    _one_line(ei.value)
+    assert peak < 32 << 20, peak
+
+
+def test_chunk_bomb_is_refused_before_reading(tmp_path):
+    """The array's shape is right; its chunks claim 400M elements (800 MB to decode each)."""
+    synthetic_cache(tmp_path)
+    rows = 400_000_000 // 64
+
+    def bomb(meta):
+        meta["chunk_grid"]["configuration"]["chunk_shape"] = [rows, 64]
+        _sharding(meta)["chunk_shape"] = [rows, 64]
+
+    _rewrite_meta(tmp_path, "features", bomb)
+    _refused_small(tmp_path, rf"segment {NAME} is damaged: array features: chunk rows {rows} .*exceed")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[1 << 20, 64]), "shard rows 1048576"),
+    (lambda m: _sharding(m).update(chunk_shape=[1, 64]) or m["chunk_grid"]["configuration"].update(
+        chunk_shape=[1 << 17, 64]), "exceed what the writer makes"),
+    (lambda m: _sharding(m).update(chunk_shape=[60, 32]), "not whole rows"),
+    (lambda m: m.update(shape=[10**9, 64]), r"is uint16\[1000000000, 64\], expected uint16\[60, 64\]"),
+    (lambda m: m.update(data_type="float64"), r"is float64\[60, 64\], expected uint16"),
+    (lambda m: _sharding(m)["codecs"].pop(), "codecs differ from the writer's"),  # no CRC32C
+    (lambda m: _sharding(m)["index_codecs"].pop(), "codecs differ from the writer's"),
+    (lambda m: m.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}]), "sharding_indexed"),
+    (lambda m: m["chunk_key_encoding"]["configuration"].update(separator="."), "chunk key encoding"),
+    (lambda m: m.update(storage_transformers=[{"name": "x"}]), "storage transformer"),
+    (lambda m: m.update(zarr_format=2), "not a zarr v3 array"),
+    (lambda m: m.update(node_type="group"), "not a zarr v3 array"),
+    (lambda m: m.update(shape="60"), r"expected uint16\[60, 64\]"),
+])
+def test_array_metadata_unlike_the_writers_is_refused(tmp_path, edit, match):
+    synthetic_cache(tmp_path)
+    _rewrite_meta(tmp_path, "features", edit)
+    _refused_small(tmp_path, f"segment {NAME} is damaged: array features: .*{match}")
+
+
+def test_manifest_size_lie_is_refused_before_any_array_is_opened(tmp_path):
+    """hidden_size 128000 with a matching array took verify to 9.4 GB; the manifest is refused."""
+    synthetic_cache(tmp_path)
+    path = tmp_path / MANIFEST_FILE
+    obj = json.loads(path.read_text())
+    obj["hidden_size"] = obj["target"]["hidden_size"] = 128000
+    path.write_text(json.dumps(obj))
+    with pytest.raises(CacheCorruptError, match=r"manifest is malformed \(manifest.hidden_size must be an integer "
+                                                r"in \[1, 65536\], not 128000\)") as ei:
+        CacheReader(tmp_path)
+    _one_line(ei.value)
+
+
+def test_huge_array_metadata_file_is_refused(tmp_path):
+    synthetic_cache(tmp_path)
+    _rewrite_meta(tmp_path, "features", lambda m: m.update(attributes={"pad": "x" * (2 << 20)}))
+    _refused_small(tmp_path, "array features: zarr.json is .* bytes, more than")
+
+
+@pytest.mark.parametrize("key, rel", [("features", "features/c/0/0"), ("input_ids", "input_ids/c/0"),
+                                      ("offsets", "offsets/c/0")])
+def test_segment_without_its_data_file_is_refused_not_zeros(tmp_path, key, rel):
+    """The record no longer lists the shard and the shard is gone: zarr alone reads zeros."""
+    synthetic_cache(tmp_path)
+    (_seg(tmp_path) / rel).unlink()
+    _unlist(tmp_path, rel)
+    with pytest.raises(CacheCorruptError, match=rf"segment {NAME} is damaged: {rel} is missing"):
+        CacheReader(tmp_path).read_array(NAME, key)
+
+
+def test_zarr_v2_array_in_place_of_v3_is_refused(tmp_path):
+    """Arrays open as zarr format 3 only: a v2 array (.zarray) with the same data is not read."""
+    _, [(rec, inp)] = synthetic_cache(tmp_path)
+    shutil.rmtree(_seg(tmp_path) / "features")
+    zarr.create_array(store=LocalStore(_seg(tmp_path)), name="features", data=inp["stored"]["features"],
+                      zarr_format=2)
+    _relist(tmp_path)
+    with pytest.raises(CacheCorruptError, match="features/zarr.json is missing"):
+        CacheReader(tmp_path).read_array(NAME, "features")
+
+
+def test_writer_keeps_all_zero_shards(tmp_path):
+    """zarr skips writing chunks equal to the fill value; the writer keeps them, so a missing
+    shard file can always be told from an all-zero array (here: sample id 0 alone, no labels)."""
+    (tmp_path / COMMITS_DIR).mkdir()
+    rec, _ = write_synthetic_segment(tmp_path, make_manifest(), lengths=(20,), first_id=0)
+    assert "sample_ids/c/0" in rec.files
+    assert check_files(tmp_path, rec) == []
+
+
+def test_old_cache_without_an_all_zero_shard_still_reads(tmp_path):
+    """Caches written before that kept no shard for an all-zero array; the record says it is all
+    zeros (sample id 0 alone), so its absence is no damage there."""
+    (tmp_path / COMMITS_DIR).mkdir()
+    write_manifest(tmp_path, make_manifest())
+    write_synthetic_segment(tmp_path, make_manifest(), lengths=(20,), first_id=0)
+    (_seg(tmp_path) / "sample_ids" / "c" / "0").unlink(missing_ok=True)  # older writers did not write it
+    _relist(tmp_path)
+    assert CacheReader(tmp_path).read_array(NAME, "sample_ids").tolist() == [0]
+
+
+def test_link_loop_inside_a_segment_is_walked_once(tmp_path):
+    _, [(rec, _)] = synthetic_cache(tmp_path)
+    os.symlink(_seg(tmp_path), _seg(tmp_path) / "features" / "loop", target_is_directory=True)
+    assert check_files(tmp_path, rec) == []  # inert: inside the root, nothing new to read
+
+
+def test_segment_with_too_many_files_is_refused(tmp_path, monkeypatch):
+    import dflash_cache.segments as segments
+
+    _, [(rec, _)] = synthetic_cache(tmp_path)
+    r = CacheReader(tmp_path)
+    monkeypatch.setattr(segments, "MAX_SEGMENT_FILES", 5)  # the walk stops there, whatever the record says
+    assert "more than 5 files" in check_files(tmp_path, rec)
+    with pytest.raises(CacheCorruptError, match="more than 5 files"):
+        r.read_array(NAME, "features")
+    with pytest.raises(CacheCorruptError, match="files listed, more than 5"):  # and a record may not list more
+        CacheReader(tmp_path)
+
+
+def test_empty_shard_file_is_refused_not_zeros(tmp_path):
+    """zarr 3.1 reads a 0-byte shard as zeros; its index alone takes 20 bytes."""
+    synthetic_cache(tmp_path)
+    (_seg(tmp_path) / "features" / "c" / "0" / "0").write_bytes(b"")
+    _relist(tmp_path)
+    with pytest.raises(CacheCorruptError, match="features/c/0/0 is 0 bytes, too short to hold its shard index"):
+        CacheReader(tmp_path).read_array(NAME, "features")
