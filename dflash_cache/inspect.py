@@ -2,32 +2,36 @@
 
 All of this reads JSON, Parquet and zarr chunks only. `summarize` touches no feature data;
 `verify` decodes every chunk (checksums included) and cross-checks the records, the stored token
-arrays and the index, returning a list of problems that each name their segment.
+arrays and the index, returning a list of problems that each name their segment. `verification`
+is `inspect --verify`: damage and incompleteness both fail it, and with `--repair` the damaged
+segments are un-committed (`dflash_cache.repair`) so that the next extract redoes exactly those.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE
-from dflash_cache.reader import INDEX_FILE, CacheReader, build_index, records_digest
-from dflash_cache.segments import check_files, segment_name
+from dflash_cache.reader import INDEX_FILE, CacheReader, read_parquet
+from dflash_cache.repair import uncommit
+from dflash_cache.segments import SegmentRecord, check_files, segment_name
 
 BF16_BYTES = 2
 
 
 def planned_segments(root: Path) -> list[tuple[int, int]]:
     """(unit, batch) of every planned segment, from plan.parquet."""
-    path = root / PLAN_FILE
-    if not path.is_file():
+    if not (root / PLAN_FILE).is_file():
         return []
-    t = pq.read_table(path, columns=["unit", "batch"])
+    t = read_parquet(root, PLAN_FILE)  # a received cache's file: opened with the reader's care
+    if not {"unit", "batch"} <= set(t.column_names):
+        raise CacheCorruptError(f"{PLAN_FILE} has no unit and batch columns; copy the cache again or re-run extract")
     pairs = np.stack([t.column("unit").to_numpy(), t.column("batch").to_numpy()], axis=1)
     return [tuple(p) for p in np.unique(pairs, axis=0).tolist()]
 
@@ -136,45 +140,108 @@ def format_sample(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def verify(reader: CacheReader, progress: Callable[[int], None] | None = None) -> list[str]:
-    """Decode everything and cross-check; returns problems, each naming its segment."""
-    problems: list[str] = []
-    seen: dict[int, str] = {}
+@dataclass
+class Verification:
+    """What `check` found: damaged segments (each with its problems) and problems of the whole cache."""
+
+    damaged: dict[str, list[str]] = field(default_factory=dict)
+    index_problem: str | None = None  # index.parquet cannot be trusted (a rerun of extract rewrites it)
+
+    @property
+    def problems(self) -> list[str]:
+        out = [p for msgs in self.damaged.values() for p in msgs]
+        if self.index_problem:
+            out.append(f"{self.index_problem}; rerun extract (or --repair) to rewrite it")
+        return out
+
+
+def _segment_problems(reader: CacheReader, rec: SegmentRecord, seen: dict[int, str]) -> list[str]:
+    """Everything wrong with one committed segment, each problem naming it."""
     m = reader.manifest
+    try:
+        file_problems = check_files(reader.root, rec)
+        if file_problems:
+            return [f"segment {rec.name}: {'; '.join(file_problems)}"]
+        arrays = reader.read_segment(rec.name)
+    except CacheCorruptError as e:
+        return [str(e) if rec.name in str(e) else f"segment {rec.name}: {e}"]
+    offsets = np.concatenate([[0], np.cumsum(rec.lengths)])
+    checks = [
+        (np.array_equal(arrays["offsets"], offsets), "offsets disagree with the commit record"),
+        (np.array_equal(arrays["sample_ids"], np.array(rec.sample_ids)), "sample ids disagree with the record"),
+        (np.array_equal(np.add.reduceat(arrays["loss_mask"].astype(np.int64), offsets[:-1]),
+                        np.array(rec.supervised)), "loss mask disagrees with the recorded supervised counts"),
+        (bool(np.isin(arrays["loss_mask"], (0, 1)).all()), "loss mask holds values other than 0/1"),
+        (bool(((arrays["input_ids"] >= 0) & (arrays["input_ids"] < m.target.vocab_size)).all()),
+         "token ids outside the target's vocabulary"),
+    ]
+    feats = reader.decode_features(arrays)
+    checks.append((bool(feats.isfinite().all()), "features hold NaN or infinity"))
+    problems = [f"segment {rec.name}: {msg}" for ok, msg in checks if not ok]
+    for sid in rec.sample_ids:
+        if sid in seen:
+            problems.append(f"segment {rec.name}: sample {sid} also in segment {seen[sid]}")
+        seen[sid] = rec.name
+    return problems
+
+
+def check(reader: CacheReader, progress: Callable[[int], None] | None = None) -> Verification:
+    """Decode everything committed and cross-check it (completeness is `incomplete`'s business)."""
+    result = Verification()
+    seen: dict[int, str] = {}
     for rec in reader.records:
-        try:
-            file_problems = check_files(reader.root, rec)
-            if file_problems:
-                problems.append(f"segment {rec.name}: {'; '.join(file_problems)}")
-                continue
-            arrays = reader.read_segment(rec.name)
-        except CacheCorruptError as e:
-            problems.append(str(e) if rec.name in str(e) else f"segment {rec.name}: {e}")
-            continue
-        offsets = np.concatenate([[0], np.cumsum(rec.lengths)])
-        checks = [
-            (np.array_equal(arrays["offsets"], offsets), "offsets disagree with the commit record"),
-            (np.array_equal(arrays["sample_ids"], np.array(rec.sample_ids)), "sample ids disagree with the record"),
-            (np.array_equal(np.add.reduceat(arrays["loss_mask"].astype(np.int64), offsets[:-1]),
-                            np.array(rec.supervised)), "loss mask disagrees with the recorded supervised counts"),
-            (bool(np.isin(arrays["loss_mask"], (0, 1)).all()), "loss mask holds values other than 0/1"),
-            (bool(((arrays["input_ids"] >= 0) & (arrays["input_ids"] < m.target.vocab_size)).all()),
-             "token ids outside the target's vocabulary"),
-        ]
-        feats = reader.decode_features(arrays)
-        checks.append((bool(feats.isfinite().all()), "features hold NaN or infinity"))
-        problems += [f"segment {rec.name}: {msg}" for ok, msg in checks if not ok]
-        for sid in rec.sample_ids:
-            if sid in seen:
-                problems.append(f"segment {rec.name}: sample {sid} also in segment {seen[sid]}")
-            seen[sid] = rec.name
+        problems = _segment_problems(reader, rec, seen)
+        if problems:
+            result.damaged[rec.name] = problems
         if progress:
             progress(rec.num_tokens)
-    index_path = reader.root / INDEX_FILE
-    if index_path.is_file():
-        table = pq.read_table(index_path)
-        meta = table.schema.metadata or {}
-        if meta.get(b"commits_digest", b"").decode() == records_digest(reader.records):
-            if not table.replace_schema_metadata(None).equals(build_index(reader.records)):
-                problems.append(f"{INDEX_FILE} disagrees with the commit records; rerun extract to rebuild it")
-    return problems
+    result.index_problem = reader.index_problem
+    return result
+
+
+def verify(reader: CacheReader, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Decode everything and cross-check; returns problems, each naming its segment."""
+    return check(reader, progress).problems
+
+
+def incomplete(reader: CacheReader) -> str | None:
+    """One line saying what is missing from an incomplete cache and what to do; None if complete."""
+    if reader.complete:
+        return None
+    units = missing_units(reader)
+    shown = ", ".join(map(str, units[:10])) + (" ..." if len(units) > 10 else "")
+    return (f"incomplete: {len(reader.records)} of {reader.manifest.plan.num_segments} planned segments are "
+            f"committed (missing units: {shown or 'none'}); run the extract command that made it again to finish it")
+
+
+def repair_hint(root: Path) -> str:
+    return (f"to repair: `dflash-cache inspect {root} --verify --repair` un-commits the damaged segments; "
+            "then run the extract command that made this cache again to redo exactly those")
+
+
+def verification(reader: CacheReader, *, repair: bool = False) -> dict[str, Any]:
+    """`inspect --verify [--repair]`: damage and incompleteness, and the repair done (hold the
+    cache lock to repair) or the hint that says how. `ok` only for an intact, complete cache."""
+    found = check(reader)
+    missing = incomplete(reader)
+    problems = found.problems + ([missing] if missing else [])
+    out: dict[str, Any] = {"ok": not problems, "problems": problems, "damaged_segments": sorted(found.damaged)}
+    if found.damaged or found.index_problem:
+        if repair:
+            out["repaired"] = uncommit(reader.root, found.damaged)
+        else:
+            out["hint"] = repair_hint(reader.root)
+    return out
+
+
+def format_verification(v: dict[str, Any]) -> str:
+    n = len(v["problems"])
+    lines = [f"verify: {'OK' if v['ok'] else f'{n} problem(s)'}"]
+    lines += [f"  {p}" for p in v["problems"]]
+    if "repaired" in v:
+        names = ", ".join(v["repaired"]) or "none"
+        lines.append(f"repaired: un-committed {len(v['repaired'])} segment(s) ({names}) and rewrote {INDEX_FILE}; "
+                     "run the extract command that made this cache again to redo them")
+    if "hint" in v:
+        lines.append(v["hint"])
+    return "\n".join(lines)

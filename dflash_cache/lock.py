@@ -1,7 +1,14 @@
-"""An exclusive, advisory lock on a cache, so two extractions never write one cache at once."""
+"""An exclusive, advisory lock on a cache, so two extractions never write one cache at once.
+
+The lock is an flock on `root/.lock`. A run that is refused or fails leaves nothing behind: if it
+created the lock file (and the directory) itself, both are removed again on the way out. Because
+lock files can be removed, a holder checks after locking that the path still names the file it
+locked (otherwise two processes could hold locks on two different files of one name).
+"""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -12,31 +19,82 @@ LOCK_FILE = ".lock"
 
 
 class CacheLock:
-    """`with CacheLock(root):` holds an flock on root/.lock; a second holder fails at once."""
+    """`with CacheLock(root):` holds an flock on root/.lock; a second holder fails at once.
 
-    def __init__(self, root: Path, name: str = LOCK_FILE) -> None:
+    `flag` names the option that chose `root`, for the error messages (None: no option did)."""
+
+    def __init__(self, root: Path, name: str = LOCK_FILE, *, flag: str | None = "--out") -> None:
         self.path = root / name
+        self.flag = flag
         self._fd: int | None = None
+        self._made_dir = False
+        self._made_file = False
 
     def __enter__(self) -> CacheLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        root = self.path.parent
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = self.path.read_text().strip() or "another process"
-            raise UserError(
-                f"cache {self.path.parent} is being written by {holder}; wait for it to finish "
-                "or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
-        self._fd = fd
+            self._made_dir = not root.exists()
+            root.mkdir(parents=True, exist_ok=True)
+            self._fd = self._acquire()
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, f"pid {os.getpid()}".encode())
+        except OSError as e:
+            self._release(remove=True)
+            raise self._cannot_write(e) from None
+        except UserError:
+            self._release(remove=True)
+            raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _cannot_write(self, exc: OSError) -> UserError:
+        reason = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else (exc.strerror or str(exc))
+        fix = f"choose a writable {self.flag} with free space" if self.flag else "it must be writable, with free space"
+        return UserError(f"cannot write to {self.path.parent} ({reason}); {fix}")
+
+    def _open(self) -> int:
+        """Open the lock file, noting whether this call created it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            self._made_file = True
+            return fd
+        except FileExistsError:
+            return os.open(self.path, os.O_RDWR)
+
+    def _acquire(self) -> int:
+        while True:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._made_file = False  # someone else's file now
+                holder = self.path.read_text().strip() or "another process"
+                other = f" or choose another {self.flag}" if self.flag else ""
+                raise UserError(f"cache {self.path.parent} is being written by {holder}; wait for it to finish{other}") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)  # the file we locked was removed by its previous holder: lock the new one
+            self._made_file = False
+
+    def _release(self, *, remove: bool) -> None:
+        """Unlock; with `remove`, first delete the lock file and directory if this lock created them."""
+        if remove and self._made_file:
+            self.path.unlink(missing_ok=True)  # while still locked, so nobody locks it in between
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+        if remove and self._made_dir:
+            try:
+                self.path.parent.rmdir()  # only if empty: never anything but what we made
+            except OSError:
+                pass
+        self._made_file = self._made_dir = False
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """A failed or refused run takes back the lock file and directory it created."""
+        self._release(remove=exc_type is not None)

@@ -9,6 +9,7 @@ stage's average and max wall time and the token rate since the last report.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -19,16 +20,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_cache.errors import UserError
+
 log = logging.getLogger(__name__)
 ENV_VAR = "DFLASH_PROFILE_INTERVAL"
 
 
 def interval_from_env(value: float | None) -> float | None:
-    """The CLI value if given, else DFLASH_PROFILE_INTERVAL, else None (profiler off)."""
-    if value is not None:
-        return value if value > 0 else None
-    env = os.environ.get(ENV_VAR)
-    return float(env) if env and float(env) > 0 else None
+    """The CLI value if given, else DFLASH_PROFILE_INTERVAL, else None (profiler off).
+
+    Checked up front, so a typo in the environment stops the run before it writes anything."""
+    where = "--profile-interval"
+    if value is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        if not env:
+            return None
+        where = f"{ENV_VAR}={env!r}"
+        try:
+            value = float(env)
+        except ValueError:
+            raise UserError(f"{where} is not a number; set it to seconds between reports, e.g. 30, or unset it") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"{where}: the interval must be a positive number of seconds, e.g. 30; "
+                        "leave it unset to turn profiling off")
+    return float(value)
 
 
 @dataclass

@@ -72,6 +72,13 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
+def _names(source: Source) -> str:
+    """The dataset's files for a message (a few, then a count), or its description."""
+    files = [source.rel_name(p) for p in source.files]
+    shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return f"{shown} ({source.describe()})" if files else f"({source.describe()})"
+
+
 def _row_of(flat_index: int, lengths: np.ndarray) -> int:
     return int(np.searchsorted(np.cumsum(lengths), flat_index, side="right"))
 
@@ -83,6 +90,8 @@ class TokenizedDataset:
         if limit is not None and limit <= 0:
             raise UserError(f"--limit must be a positive number of rows, got {limit}")
         self._source, self._limit, self._table = source, limit, table
+        if source.num_rows == 0:  # before the columns: a file with no rows has none to show
+            raise UserError(f"dataset {_names(source)} has no rows; pass a dataset with at least one row")
         cols = source.columns
         found = ", ".join(cols) or "none"
         if "input_ids" not in cols:
@@ -94,8 +103,6 @@ class TokenizedDataset:
         else:
             raise UserError(f"dataset has no loss_mask or labels column (found: {found}); expected input_ids plus "
                             f"loss_mask (1 = supervised) or labels ({IGNORE_INDEX} = unsupervised)")
-        if source.num_rows == 0:
-            raise UserError(f"dataset ({source.describe()}) has zero rows; pass a non-empty dataset")
         self.num_rows: int = source.num_rows if limit is None else min(limit, source.num_rows)
         self.description: str = source.describe() + (f", first {self.num_rows} rows" if limit is not None else "")
 

@@ -26,6 +26,7 @@ ACCEPTED = (
     "of .parquet files, or a .jsonl file or directory of .jsonl files"
 )
 _JSONL_SUFFIXES = (".jsonl", ".json")
+_HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")  # save_to_disk's own files
 _PARQUET_BATCH = 8192
 _JSONL_BATCH = 2048
 
@@ -252,19 +253,32 @@ def _open_dir(path: Path, root: Path, note: str) -> Source:
                             f"pass the split directory you want, e.g. {path}/<split>")
         return _open_dir(path / "train", root, " (train split)")
     arrows = sorted(path.glob("*.arrow"))
+    parquets = sorted(p for p in path.glob("*.parquet") if p.is_file())
+    jsonls = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _JSONL_SUFFIXES
+                    and p.name not in _HF_METADATA)
+    _refuse_mixed(path, {"Arrow": arrows, "Parquet": parquets, "JSONL": jsonls})
     if (path / "state.json").is_file() or (path / "dataset_info.json").is_file() or arrows:
         files = _state_files(path) or arrows
         if not files:
             raise UserError(f"Hugging Face dataset directory {path} has no .arrow data files; re-save it with save_to_disk")
         return ArrowSource.from_files(files, root, note)
-    parquets = sorted(p for p in path.glob("*.parquet") if p.is_file())
     if parquets:
         return ParquetSource(parquets, root)
-    jsonls = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _JSONL_SUFFIXES)
     if jsonls:
         return JsonlSource(jsonls, root)
     raise UserError(f"unrecognised dataset directory {path} (no dataset_dict.json, state.json, .arrow, .parquet or "
                     f".jsonl files); pass {ACCEPTED}")
+
+
+def _refuse_mixed(path: Path, by_format: dict[str, list[Path]]) -> None:
+    """One format per directory: reading only one of two would drop the other's rows silently."""
+    found = {fmt: files for fmt, files in by_format.items() if files}
+    if len(found) > 1:
+        shown = " and ".join(f"{fmt} ({files[0].name}{', ...' if len(files) > 1 else ''})"
+                             for fmt, files in found.items())
+        both = "both " if len(found) == 2 else ""
+        raise UserError(f"dataset directory {path} holds {both}{shown} files; keep one format per directory "
+                        "or pass one file")
 
 
 def _read_json(path: Path) -> dict:

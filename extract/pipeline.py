@@ -152,11 +152,14 @@ class BatchReader:
         self._stop.set()
 
 
-def _disk_error(root: Path, exc: OSError) -> UserError:
+def disk_error(root: Path, exc: OSError, *, creating: bool = False) -> UserError:
+    """One line for a write that failed: disk full, or the path (permissions, read-only, ...)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return UserError(f"disk full while writing to {root}; free space and run the same command again "
-                         "(committed segments are kept)")
-    return UserError(f"cannot write to {root}: {exc.strerror or exc}; check the path and permissions")
+        doing, kept = ("creating the cache at", "nothing was left behind") if creating else \
+            ("writing to", "committed segments are kept")
+        return UserError(f"disk full while {doing} {root}; free space and run the same command again ({kept})")
+    what = "create the cache at" if creating else "write to"
+    return UserError(f"cannot {what} {root}: {exc.strerror or exc}; check the path and permissions")
 
 
 @dataclass
@@ -205,7 +208,8 @@ class RankExtractor:
         reader = BatchReader(self.dataset, batches, unit_rows=self.unit_rows, max_len=self.max_len,
                              overlong=self.overlong, depth=self.prefetch, pin=self.cuda, profiler=self.profiler)
         in_flight = threading.BoundedSemaphore(self.writers + 2)
-        futures: list[Future] = []
+        futures: list[Future] = []  # in flight; finished ones are dropped as they are checked
+        submitted = 0
         bar_lock = threading.Lock()
 
         def done(fut: Future, n_tokens: int) -> None:
@@ -223,13 +227,14 @@ class RankExtractor:
                     fut = pool.submit(self._write, host, *job)
                     fut.add_done_callback(lambda f, n=host.planned.num_tokens: done(f, n))
                     futures.append(fut)
+                    submitted += 1
                     self.profiler.add_tokens(host.planned.num_tokens)
                     self.profiler.maybe_report()
                 t_drain = time.perf_counter()
                 for fut in futures:
                     fut.result()
         except OSError as e:
-            raise _disk_error(self.root, e) from None
+            raise disk_error(self.root, e) from None
         finally:
             reader.close()
             for fut in futures:
@@ -237,7 +242,7 @@ class RankExtractor:
             bar.close()
         self.profiler.maybe_report(force=True)
         end = time.perf_counter()
-        return RankResult(segments=len(futures), tokens=total, seconds=end - t0, drain_seconds=end - t_drain)
+        return RankResult(segments=submitted, tokens=total, seconds=end - t0, drain_seconds=end - t_drain)
 
     @staticmethod
     def _raise_first_error(futures: list[Future]) -> None:

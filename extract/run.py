@@ -9,6 +9,7 @@ Whichever way it ran, the index is rewritten at the end from the commits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -146,14 +147,14 @@ def _extract_torchrun(cfg: ExtractConfig, rank: int, world: int, echo) -> None:
     dist.init_process_group("gloo")
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    lock = CacheLock(Path(cfg.out)) if rank == 0 else None
-    try:
+    with contextlib.ExitStack() as stack:  # unwinds with the exception, so a refused run's lock file goes
+        stack.callback(dist.destroy_process_group)
         error = None
         if rank == 0:
             try:
                 job = plan_job(cfg)
                 echo(job.plan.summary())
-                lock.__enter__()
+                stack.enter_context(CacheLock(Path(cfg.out)))
                 open_or_create(job)
             except UserError as e:
                 error = str(e)
@@ -168,10 +169,6 @@ def _extract_torchrun(cfg: ExtractConfig, rank: int, world: int, echo) -> None:
         dist.barrier()
         if rank == 0:
             finish_cache(job.root, echo, time.perf_counter() - t0)
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
-        dist.destroy_process_group()
 
 
 def finish_cache(root: Path, echo: Callable[[str], None], seconds: float) -> None:

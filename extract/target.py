@@ -179,6 +179,12 @@ class TargetDescription:
     def hidden_size(self) -> int:
         return self.identity.hidden_size
 
+    @property
+    def max_context(self) -> int | None:
+        """Longest sequence the target is built for (its config's max_position_embeddings), if given."""
+        n = getattr(self.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
 
 def _load_config(name: str, trust_remote_code: bool):
     if name == TINY:
@@ -239,8 +245,11 @@ def load_target(desc: TargetDescription, device: torch.device, keep: int | None 
             raise UserError(f"--model {desc.spec.model}: cannot load weights ({type(e).__name__}: {e})") from None
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    log.info("target %s: %d of %d layers kept, capturing %s", desc.identity.name, keep,
-             desc.identity.num_hidden_layers, desc.layer_ids)
+    if keep == 0:  # the trainer needs only the embedding and the LM head
+        log.info("target %s: embedding and LM head loaded (no decoder layer needed)", desc.identity.name)
+    else:
+        log.info("target %s: %d of %d layers kept, capturing %s", desc.identity.name, keep,
+                 desc.identity.num_hidden_layers, desc.layer_ids)
     return model
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_cache.jsonio import write_bytes_atomic, write_json_atomic
+from extract.demo import REBUILD as REBUILD_DEMO
 from extract.target import (
     TINY_CONFIG_FILE,
     TINY_DIR,
@@ -461,7 +462,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
             os.replace(stage / name, out / name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    log.info("wrote %s (weights %.1f MB)", out, (out / TINY_WEIGHTS_FILE).stat().st_size / 1e6)
+    log.info("wrote %s (weights %.1f MB); the shipped demo rows follow the weights: rebuild them with `%s`",
+             out, (out / TINY_WEIGHTS_FILE).stat().st_size / 1e6, REBUILD_DEMO)
     return report
 
 

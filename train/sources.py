@@ -17,7 +17,7 @@ from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.reader import CacheReader
 from extract.planning import DEFAULT_BUCKETS, PlanConfig
-from extract.prepare import open_data
+from extract.prepare import check_context, open_data
 from extract.run import parse_gpus
 from extract.target import HiddenStateCapture, TargetDescription, TargetSpec, describe_target, load_target
 from train.cache_source import CacheSource, check_manifest
@@ -46,6 +46,8 @@ def source_config(cfg: TrainConfig) -> SourceConfig:
 
 def _drafter_and_head(cfg: TrainConfig, target: TargetDescription, device: torch.device
                       ) -> tuple[DrafterConfig, FrozenTargetHead]:
+    """The drafter's config (--sliding-window W makes every layer sliding-window, as the seeds trained
+    and as vLLM serves without mixed cache groups) and the target's frozen embedding and LM head."""
     drafter_cfg = DrafterConfig.from_target(
         target.config, tuple(target.layer_ids), num_layers=cfg.draft_layers, block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id, sliding_window=cfg.sliding_window,
@@ -93,6 +95,7 @@ def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, pr
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
     dataset = open_data(live.data, live.limit)
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=live.max_len, overlong=live.overlong)
+    check_context(scan.lengths, target.max_context, dataset)
     table = live_sample_table(scan, DEFAULT_BUCKETS)
     devices = target_devices(live.target_gpus, device, rank, world)
     captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]

@@ -83,7 +83,8 @@ def test_verify_clean_cache(real_cache):
     assert res.exit_code == 0, res.output
     assert "verify: OK" in res.output
     res = run_inspect(root, "--verify", "--json")
-    assert res.exit_code == 0 and json.loads(res.stdout)["verify"] == {"ok": True, "problems": []}
+    assert res.exit_code == 0
+    assert json.loads(res.stdout)["verify"] == {"ok": True, "problems": [], "damaged_segments": []}
 
 
 def _features_shard(root, name):
@@ -172,3 +173,18 @@ def test_cli_not_a_cache_exits_2_with_one_line(tmp_path, kind):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and str(target) in lines[0], res.stderr
     assert "Traceback" not in res.output
+
+
+def test_verify_fails_on_an_incomplete_cache(cache_copy):
+    """A missing commit record used to pass --verify with exit 0."""
+    root = cache_copy("bf16")
+    records = read_records(root)
+    victim = records[-1]
+    (root / COMMITS_DIR / f"{victim.name}.json").unlink()
+    res = run_inspect(root, "--verify")
+    assert res.exit_code == 1
+    assert (f"  incomplete: {len(records) - 1} of {len(records)} planned segments are committed (missing units: "
+            f"{victim.unit}); run the extract command that made it again to finish it") in res.output
+    assert "to repair" not in res.output  # nothing is damaged
+    v = json.loads(run_inspect(root, "--verify", "--json").stdout)["verify"]
+    assert v["ok"] is False and v["damaged_segments"] == [] and len(v["problems"]) == 1

@@ -249,7 +249,7 @@ def test_bad_arguments() -> None:
         ds.read_rows(0, 1, max_len=-3)
     with _one_line_error("unknown overlong policy 'drop'"):
         ds.scan(vocab_size=None, max_len=10, overlong="drop")
-    with _one_line_error("zero rows"):
+    with _one_line_error("has no rows"):
         from_table(make_table().slice(0, 0))
 
 
@@ -323,3 +323,32 @@ def test_large_scan_is_vectorised() -> None:
     assert int(scan.supervised.sum()) == int((flat.reshape(n, width)[:, :50] % 2).sum())
     rows = ds.read_rows(12_345, 12_350, max_len=50)
     np.testing.assert_array_equal(rows[0].input_ids, flat[12_345 * width : 12_345 * width + 50])
+
+
+def test_empty_jsonl_says_no_rows(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    with _one_line_error(r"dataset empty.jsonl \(jsonl: 1 file\) has no rows"):
+        open_dataset(tmp_path / "empty.jsonl")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with _one_line_error("blank.jsonl .* has no rows"):
+        open_dataset(tmp_path / "blank.jsonl")
+
+
+@pytest.mark.parametrize("other", ["rows.jsonl", "rows.arrow"])
+def test_directory_of_mixed_formats_is_refused(tmp_path: Path, other: str) -> None:
+    """Parquet beside JSONL (or Arrow) used to read the Parquet only, dropping the other rows silently."""
+    d = write_parquet(tmp_path / "mixed", make_table(), [10])
+    if other.endswith(".jsonl"):
+        write_jsonl(d / other, jsonl_rows())
+        shown = r"Parquet \(part-000.parquet, ...\) and JSONL \(rows.jsonl\)"
+    else:
+        with pa.OSFile(str(d / other), "wb") as sink, pa.ipc.new_stream(sink, make_table().schema) as writer:
+            writer.write_table(make_table())
+        shown = r"Arrow \(rows.arrow\) and Parquet \(part-000.parquet, ...\)"
+    with _one_line_error(f"dataset directory .*mixed holds both {shown} files; keep one format per directory"):
+        open_dataset(d)
+
+
+def test_hf_directory_metadata_json_is_not_jsonl(tmp_path: Path) -> None:
+    ds = open_dataset(write_hf(tmp_path / "ds", make_table(), [7]))
+    assert ds.num_rows == len(IDS)

@@ -159,6 +159,7 @@ def test_non_cache_directory_is_not_clobbered(small_parquet, tmp_path):
     r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--overwrite"])
     assert r.exit_code == 2 and "not a dflash-cache" in r.output
     assert (out / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"], "the refused run's .lock stayed behind"
 
 
 def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, monkeypatch):
@@ -214,3 +215,145 @@ def test_packing_drops_and_adds_no_token(small_parquet, tmp_path):
             lo, hi = offsets[i], offsets[i + 1]
             assert arrays["input_ids"][lo:hi].tolist() == ids[sid]
             assert arrays["loss_mask"][lo:hi].tolist() == masks[sid]
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: nothing in the code under test catches it."""
+
+
+def _same_cache(a: Path, b: Path) -> None:
+    ra, rb = CacheReader(a), CacheReader(b)
+    assert [r.to_json() for r in ra.records] == [r.to_json() for r in rb.records]
+    for rec in ra.records:
+        sa, sb = ra.read_segment(rec.name), rb.read_segment(rec.name)
+        assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def _killed_at_creation(data: Path, out: Path, monkeypatch) -> None:
+    """Run extract into `out` and 'kill' it after zarr.json and plan.parquet, before manifest.json."""
+    import extract.prepare as prepare
+
+    def killed(*_a):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare, "write_manifest", killed)
+        with pytest.raises(Killed):
+            extract(extract_config(data, out), "cpu", echo=lambda *_: None)
+    assert (out / "zarr.json").is_file() and (out / "plan.parquet").is_file() and not (out / "manifest.json").exists()
+
+
+def test_killed_at_creation_then_rerun_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    """Both a plain rerun and --overwrite used to say 'exists and is not a dflash-cache', forever."""
+    data = tmp_path / "d.parquet"
+    pq.write_table(random_rows(16, seed=3), data)
+    out = tmp_path / "c"
+    _killed_at_creation(data, out, monkeypatch)
+    r = run_cli("extract", "--data", str(data), "--out", str(out), *SMALL)
+    assert r.exit_code == 0 and "0 of 3 segments already committed" in r.output and "complete: 3/3" in r.output, r.output
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "commits", "index.parquet", "manifest.json",
+                                                     "plan.parquet", "segments", "zarr.json"]
+    extract(extract_config(data, tmp_path / "clean"), "cpu", echo=lambda *_: None)
+    _same_cache(out, tmp_path / "clean")
+    _killed_at_creation(data, tmp_path / "again", monkeypatch)
+    r = run_cli("extract", "--data", str(data), "--out", str(tmp_path / "again"), *SMALL, "--overwrite")
+    assert r.exit_code == 0 and "complete: 3/3" in r.output, r.output
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_disk_full_at_creation_leaves_nothing(small_parquet, tmp_path, monkeypatch, existing):
+    """ENOSPC while writing the manifest: one line, exit 2, no traceback, no stray manifest.json.PID.tmp."""
+    import extract.prepare as prepare
+
+    def disk_full(root, _manifest):
+        (root / f"manifest.json.{os.getpid()}.tmp").write_bytes(b"{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare, "write_manifest", disk_full)
+    out = tmp_path / "c"
+    if existing:
+        out.mkdir()
+    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1] == (f"Error: disk full while creating the cache at {out}; free space and "
+                                                 "run the same command again (nothing was left behind)")
+    assert (list(out.iterdir()) == []) if existing else not out.exists()
+    monkeypatch.undo()
+    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
+
+
+def test_read_only_out_exits_2_with_one_line(small_parquet, tmp_path, monkeypatch):
+    """Tests run as root, so a read-only location is simulated: creating the directory fails with EROFS."""
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *a, **k):
+        if self.is_relative_to(tmp_path / "ro"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    out = tmp_path / "ro" / "c"
+    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1] == (f"Error: cannot write to {out} (Read-only file system); choose a "
+                                                 "writable --out with free space")
+
+
+def test_overlong_row_for_the_target_context_is_refused(tmp_path):
+    """The tiny target's context is 8,192 tokens (max_position_embeddings); a 9,000-token row is refused
+    without --max-len, and --max-len with --overlong takes it."""
+    rows = random_rows(4)
+    ids, masks = rows.column("input_ids").to_pylist(), rows.column("loss_mask").to_pylist()
+    ids[2], masks[2] = [7] * 9000, [0] * 100 + [1] * 8900
+    data = tmp_path / "long.parquet"
+    pq.write_table(pa.table({"input_ids": ids, "loss_mask": masks}), data)
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["extract", "--data", str(data), "--out", str(out), *SMALL])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1] == (
+        "Error: row 2 of parquet: 1 file has 9,000 tokens, more than the target's context of 8,192 "
+        "(max_position_embeddings); pass --max-len 8192 with --overlong truncate or skip")
+    assert not out.exists()
+    for policy, kept in (("truncate", 8192), ("skip", 0)):
+        job = plan_job(extract_config(data, out, max_len=8192, overlong=policy))
+        assert job.scan.lengths[2] == kept and not out.exists()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5"])
+def test_bad_profile_interval_env_exits_2_before_writing(small_parquet, tmp_path, monkeypatch, value):
+    monkeypatch.setenv("DFLASH_PROFILE_INTERVAL", value)
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1].startswith(f"Error: DFLASH_PROFILE_INTERVAL='{value}'")
+    assert not out.exists()
+
+
+def test_rank_log_counts_every_segment(small_parquet, tmp_path, caplog):
+    """The count was taken after finished writes were dropped from the in-flight list (2 for 12); here 9 are written."""
+    caplog.set_level("INFO", logger="extract.run")
+    extract(extract_config(small_parquet, tmp_path / "c", writers=1), "cpu", echo=lambda *_: None)
+    assert len(read_records(tmp_path / "c")) == 9
+    assert any(m.startswith("rank 0: 9 segments,") for m in caplog.messages), caplog.messages
+
+
+@pytest.mark.filterwarnings("ignore:Object at .* is not recognized as a component of a Zarr hierarchy")
+def test_segments_is_a_zarr_group_and_old_caches_still_resume(small_parquet, tmp_path):
+    import zarr
+    from zarr.storage import LocalStore
+
+    out = tmp_path / "c"
+    cfg = extract_config(small_parquet, out)
+    job = plan_job(cfg)
+    with CacheLock(job.root):
+        open_or_create(job)
+        run_rank(job, set(), rank=0, world=2, device=torch.device("cpu"))  # half of it, as a killed run would
+    names = {r.name for r in read_records(out)}
+    found = {k for k, _ in zarr.open_group(LocalStore(out, read_only=True), mode="r").members(max_depth=None)}
+    assert "segments" in found and {f"segments/{n}" for n in names} <= found
+    assert {f"segments/{n}/features" for n in names} <= found
+    (out / "segments" / "zarr.json").unlink()  # a cache made before segments/ was a group
+    assert CacheReader(out).records
+    extract(cfg, "cpu", echo=lambda *_: None)
+    assert (out / "segments" / "zarr.json").is_file() and sample_ids(out) == list(range(48))
+    assert not verify(CacheReader(out))

@@ -101,3 +101,13 @@ def test_weights_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_pat
     assert a == a_again != b
     ids = [describe_target(TargetSpec(model=str(tmp_path / n))).identity for n in ("a", "b")]
     assert ids[0].config_hash == ids[1].config_hash and ids[0].weights_fingerprint != ids[1].weights_fingerprint
+
+
+def test_loading_only_the_head_does_not_read_as_an_error(caplog):
+    import logging
+
+    desc = describe_target(TargetSpec(model="tiny"))
+    with caplog.at_level(logging.INFO, logger="extract.target"):
+        load_target(desc, torch.device("cpu"), keep=0)
+    assert not any("0 of" in m for m in caplog.messages), caplog.messages
+    assert any("embedding and LM head" in m for m in caplog.messages)

@@ -1,0 +1,56 @@
+"""Recovering caches: half-made ones (killed while being created) and damaged ones.
+
+A new cache carries `.creating` from its first byte until its manifest is written, so a run that
+finds the marker without a manifest knows the directory is its own unfinished work (no segment
+can have been committed yet) and may make it again.
+
+A damaged committed segment is repaired by un-committing it: its record is removed first (from
+then on readers no longer see it), then its data, then the index is rewritten from the records
+that remain. The next `extract` finds the segment missing and redoes exactly it. The caller holds
+the cache lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from zarr.core.common import ZARR_JSON
+
+from dflash_cache.errors import CacheCorruptError
+from dflash_cache.jsonio import fsync_dir
+from dflash_cache.manifest import MANIFEST_FILE
+from dflash_cache.reader import write_index
+from dflash_cache.segments import COMMITS_DIR, NAME_RE, read_records, remove_uncommitted
+
+log = logging.getLogger(__name__)
+
+CREATING_FILE = ".creating"
+
+
+def is_half_made(root: Path) -> bool:
+    """A cache whose creation was interrupted: the marker is there, the manifest is not."""
+    return (root / CREATING_FILE).exists() and not (root / MANIFEST_FILE).is_file()
+
+
+def remove_uncommitted_segments(root: Path, committed: set[str]) -> int:
+    """Crash leftovers: segment directories no record covers (the segments group's own metadata stays)."""
+    return remove_uncommitted(root, committed | {ZARR_JSON})
+
+
+def uncommit(root: Path, names: Iterable[str]) -> list[str]:
+    """Un-commit the named segments and rewrite the index; returns the names un-committed."""
+    names = sorted(set(names))
+    for name in names:
+        if not NAME_RE.match(name):
+            raise CacheCorruptError(f"bad segment name {name!r}")
+    commits = root / COMMITS_DIR
+    for name in names:
+        (commits / f"{name}.json").unlink(missing_ok=True)
+    fsync_dir(commits)
+    remaining = read_records(root)
+    removed = remove_uncommitted_segments(root, {r.name for r in remaining})
+    write_index(root, remaining)
+    log.info("un-committed %d segment(s); removed %d segment directories", len(names), removed)
+    return names
