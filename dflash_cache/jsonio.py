@@ -25,7 +25,8 @@ INT64_MAX = (1 << 63) - 1
 MAX_NESTING = 16  # depth of free-form JSON (a manifest's `extra`) that later code may recurse into
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Make a file's data, or a directory's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -40,7 +41,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from zarr.core.common import ZARR_JSON
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import fsync_dir
+from dflash_cache.jsonio import fsync_path
 from dflash_cache.manifest import MANIFEST_FILE
 from dflash_cache.reader import write_index
 from dflash_cache.segments import COMMITS_DIR, NAME_RE, read_records, remove_uncommitted
@@ -48,7 +48,7 @@ def uncommit(root: Path, names: Iterable[str]) -> list[str]:
     commits = root / COMMITS_DIR
     for name in names:
         (commits / f"{name}.json").unlink(missing_ok=True)
-    fsync_dir(commits)
+    fsync_path(commits)
     remaining = read_records(root)
     removed = remove_uncommitted_segments(root, {r.name for r in remaining})
     write_index(root, remaining)

@@ -24,7 +24,7 @@ from zarr.storage import LocalStore
 
 from dflash_cache.codecs import get_codec
 from dflash_cache.errors import UserError
-from dflash_cache.jsonio import TMP_SUFFIX, fsync_dir, write_bytes_atomic
+from dflash_cache.jsonio import TMP_SUFFIX, fsync_path, write_bytes_atomic
 from dflash_cache.lock import LOCK_FILE
 from dflash_cache.manifest import (
     MANIFEST_FILE,
@@ -36,7 +36,7 @@ from dflash_cache.manifest import (
     write_manifest,
 )
 from dflash_cache.profiler import interval_from_env
-from dflash_cache.reader import INDEX_FILE
+from dflash_cache.reader import INDEX_FILE, read_parquet
 from dflash_cache.repair import CREATING_FILE, is_half_made, remove_uncommitted_segments
 from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
 from extract.config import ExtractConfig
@@ -161,7 +161,7 @@ def _create(root: Path, plan: Plan, manifest: Manifest) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         (root / CREATING_FILE).touch()
-        fsync_dir(root)
+        fsync_path(root)
     except OSError as e:  # nothing made yet, nothing removed yet
         raise disk_error(root, e, creating=True) from None
     try:
@@ -175,7 +175,7 @@ def _create(root: Path, plan: Plan, manifest: Manifest) -> None:
         _undo_create(root)
         raise disk_error(root, e, creating=True) from None
     (root / CREATING_FILE).unlink()
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def _undo_create(root: Path) -> None:
@@ -247,7 +247,7 @@ def write_plan_table(root: Path, plan: Plan) -> None:
 
 def read_plan(root: Path, manifest: Manifest) -> Plan:
     """The plan a cache was made with, from plan.parquet and the manifest."""
-    t = pq.read_table(root / PLAN_FILE)
+    t = read_parquet(root, PLAN_FILE)
     p = manifest.plan
     config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,
                         bucket_bounds=tuple(p.bucket_bounds))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_cache.jsonio import fsync_dir, read_json, write_json_atomic
+from dflash_cache.jsonio import fsync_path, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +90,6 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str
     return out
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints (those with a state file), newest first."""
     if not directory.is_dir():
@@ -127,7 +118,7 @@ def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch
     }
     for name, content in tensors.items():
         save_file(content, tmp / name)
-        _fsync_file(tmp / name)
+        fsync_path(tmp / name)
     write_json_atomic(tmp / STATE_FILE, asdict(state))  # fsyncs the file and tmp/
     if final.exists():  # the same step again (a resume that trained nothing): replace it whole
         old = directory / f"{_OLD_PREFIX}{state.step:07d}"
@@ -137,7 +128,7 @@ def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
-    fsync_dir(directory)
+    fsync_path(directory)
     for stale in list_checkpoints(directory)[keep:]:
         shutil.rmtree(stale, ignore_errors=True)
     return final

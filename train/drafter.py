@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from train.config import DrafterConfig
 from train.masks import DocumentMasks, document_keys
+from train.remote_code.dflash import DFlashRMSNorm as RMSNorm  # one norm: the exported model code's
 
 INIT_STD = 0.02
 
@@ -34,21 +35,6 @@ def default_flex_attention(q, k, v, **kwargs):
     if q.device.type == "cpu":
         return flex_attention(q, k, v, **kwargs)
     return _compiled_flex_attention()(q, k, v, **kwargs)
-
-
-class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -188,3 +188,11 @@ def test_verify_fails_on_an_incomplete_cache(cache_copy):
     assert "to repair" not in res.output  # nothing is damaged
     v = json.loads(run_inspect(root, "--verify", "--json").stdout)["verify"]
     assert v["ok"] is False and v["damaged_segments"] == [] and len(v["problems"]) == 1
+
+
+def test_a_plan_linked_out_of_the_cache_is_refused_not_skipped(cache_copy, tmp_path):
+    root = cache_copy()
+    (root / "plan.parquet").unlink()
+    (root / "plan.parquet").symlink_to(tmp_path / "not-there.parquet")  # dangling: not a missing plan
+    r = run_inspect(str(root))
+    assert r.exit_code == 2 and "outside" in r.output and "Traceback" not in r.output, r.output
