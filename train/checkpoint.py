@@ -98,11 +98,6 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(done, key=lambda p: p.name, reverse=True)
 
 
-def latest_checkpoint(directory: Path) -> Path | None:
-    done = list_checkpoints(directory)
-    return done[0] if done else None
-
-
 def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainerState, rng: dict[str, torch.Tensor], keep: int = 2) -> Path:
     """Write, fsync and rename a checkpoint into place, then keep only the newest `keep`."""
