@@ -34,13 +34,13 @@ bench-train *args:
 bench-live *args:
     python3 bench/live.py {{args}}
 
-# Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m extract.tiny_pretrain --help).
+# Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m tools.tiny_pretrain --help).
 pretrain-tiny *args:
-    python3 -m extract.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}
+    python3 -m tools.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}
 
 # Rebuild the shipped demo rows (extract/tiny_target/demo_rows.parquet) after retraining the tiny target.
 demo-rows:
-    python3 -m extract.demo
+    python3 -m dflash_cache.extract.demo
 
 # GPU benchmark of phase 2's memory model against measured peaks (an NVIDIA GPU; see bench/memory.py --help).
 bench-memory *args:

@@ -21,16 +21,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache.inspect import summarize  # noqa: E402
-from dflash_cache.reader import CacheReader  # noqa: E402
-from extract.config import ExtractConfig  # noqa: E402
-from extract.planning import PlanConfig  # noqa: E402
-from extract.run import extract  # noqa: E402
-from extract.target import TargetSpec, describe_target, load_target  # noqa: E402
-from train.drafter import FrozenTargetHead  # noqa: E402
-from train.export import drafter_from_export  # noqa: E402
-from train.speculative import evaluate, load_prompts  # noqa: E402
-from train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.extract.config import ExtractConfig  # noqa: E402
+from dflash_cache.extract.run import extract  # noqa: E402
+from dflash_cache.extract.target import TargetSpec, describe_target, load_target  # noqa: E402
+from dflash_cache.store.plan import PlanConfig  # noqa: E402
+from dflash_cache.store.reader import CacheReader  # noqa: E402
+from dflash_cache.store.report import summarize  # noqa: E402
+from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
+from dflash_cache.train.export import drafter_from_export  # noqa: E402
+from dflash_cache.train.speculative import evaluate, load_prompts  # noqa: E402
+from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 
 def relative_error(reader: CacheReader, reference: CacheReader) -> float:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
-from dflash_cache.reader import write_index
-from dflash_cache.segments import read_records
-from train.config import DrafterConfig
+from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
+from dflash_cache.store.reader import write_index
+from dflash_cache.store.segments import read_records
+from dflash_cache.train.config import DrafterConfig
 
 
 def add_common_args(ap: argparse.ArgumentParser, out: str) -> None:

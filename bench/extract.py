@@ -31,12 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_common_args, start_logging_and_device  # noqa: E402
+from dflash_cache.extract.capture import run_backbone  # noqa: E402
+from dflash_cache.extract.dataset import from_table  # noqa: E402
+from dflash_cache.extract.pipeline import RankExtractor, layout_batch  # noqa: E402
+from dflash_cache.extract.planning import make_plan  # noqa: E402
+from dflash_cache.extract.target import decoder_of, select_layers  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
-from extract.dataset import from_table  # noqa: E402
-from extract.pipeline import RankExtractor, layout_batch  # noqa: E402
-from extract.planning import DEFAULT_BUCKETS, PlanConfig, make_plan  # noqa: E402
-from extract.target import decoder_of, run_backbone, select_layers  # noqa: E402
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
 
 # Share of rows per bucket of DEFAULT_BUCKETS (last bucket capped at 8192 tokens).
 BUCKET_MIX = (0.30, 0.20, 0.18, 0.14, 0.10, 0.08)
@@ -181,7 +183,7 @@ def main() -> None:
               f"(run {res.seconds:.1f}s, of which {res.drain_seconds:.1f}s after the last batch was enqueued)  "
               f"{size / tokens:9,.0f} B/token ({2 * n_layers * hidden / (size / tokens):.2f}x vs raw bf16)", flush=True)
         if codec == args.codecs.split(",")[0]:
-            from dflash_cache.segments import read_records
+            from dflash_cache.store.segments import read_records
             assert len(read_records(root)) == len(batches)
         del extractor
         shutil.rmtree(root, ignore_errors=True)

@@ -37,20 +37,22 @@ from bench.common import (  # noqa: E402
 )
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
 from bench.train import LAYER_IDS, shapes, sync, timed_steps  # noqa: E402
-from dflash_cache.manifest import PlanParams  # noqa: E402
+from dflash_cache.extract.capture import HiddenStateCapture  # noqa: E402
+from dflash_cache.extract.dataset import from_table  # noqa: E402
+from dflash_cache.extract.pipeline import RankExtractor  # noqa: E402
+from dflash_cache.extract.planning import make_plan  # noqa: E402
+from dflash_cache.extract.target import decoder_of  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.reader import CacheReader  # noqa: E402
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
-from extract.dataset import from_table  # noqa: E402
-from extract.pipeline import RankExtractor  # noqa: E402
-from extract.planning import DEFAULT_BUCKETS, PlanConfig, make_plan  # noqa: E402
-from extract.target import HiddenStateCapture, decoder_of  # noqa: E402
-from train.cache_source import CacheSource  # noqa: E402
-from train.drafter import FrozenTargetHead  # noqa: E402
-from train.epochs import Position  # noqa: E402
-from train.live_source import LiveSource, live_sample_table  # noqa: E402
-from train.sources import source_config  # noqa: E402
-from train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.store.manifest import PlanParams  # noqa: E402
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
+from dflash_cache.store.reader import CacheReader  # noqa: E402
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
+from dflash_cache.train.assemble import source_config  # noqa: E402
+from dflash_cache.train.cache_source import CacheSource  # noqa: E402
+from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
+from dflash_cache.train.epoch_plan import Position  # noqa: E402
+from dflash_cache.train.live_source import LiveSource, live_sample_table  # noqa: E402
+from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -22,16 +22,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train.trainer  # noqa: E402
+import dflash_cache.train.trainer  # noqa: E402
 from bench.common import add_common_args, bench_drafter_config, start_logging_and_device  # noqa: E402
 from bench.train import LAYER_IDS, shapes, write_cache  # noqa: E402
-from dflash_cache.reader import CacheReader  # noqa: E402
-from train.cache_source import CacheSource  # noqa: E402
-from train.drafter import FrozenTargetHead  # noqa: E402
-from train.epochs import Position  # noqa: E402
-from train.memory import GIB, step_memory  # noqa: E402
-from train.sources import source_config  # noqa: E402
-from train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.store.reader import CacheReader  # noqa: E402
+from dflash_cache.train.assemble import source_config  # noqa: E402
+from dflash_cache.train.cache_source import CacheSource  # noqa: E402
+from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
+from dflash_cache.train.epoch_plan import Position  # noqa: E402
+from dflash_cache.train.memory import GIB, step_memory  # noqa: E402
+from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 POINTS = ((12288, 1024), (12288, 2048), (24576, 1024), (32768, 1536))  # (token budget, anchors per batch)
 
@@ -49,7 +49,7 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     anchors = tokens = 0
-    real_sample = train.trainer.sample_anchors
+    real_sample = dflash_cache.train.trainer.sample_anchors
 
     def counting(batch, **kw):
         nonlocal anchors, tokens
@@ -57,7 +57,7 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
         anchors, tokens = max(anchors, blocks.num_anchors), max(tokens, batch.num_tokens)
         return blocks
 
-    with mock.patch("train.trainer.sample_anchors", counting):  # the largest step the points reached
+    with mock.patch("dflash_cache.train.trainer.sample_anchors", counting):  # the largest step the points reached
         for _, batch in itertools.islice(trainer.source.iterate(Position(0, 0)), steps):
             trainer.train_step(batch)
     if device.type == "cuda":

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_common_args  # noqa: E402
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
-from dflash_cache.inspect import verify  # noqa: E402
-from dflash_cache.reader import CacheReader  # noqa: E402
+from dflash_cache.store.reader import CacheReader  # noqa: E402
+from dflash_cache.store.report import verify  # noqa: E402
 
 RANK_LINE = re.compile(r"rank (\d+): \d+ segments, (\d+) tokens in ([\d.]+)s")
 CLI = [sys.executable, "-m", "dflash_cache.cli"]

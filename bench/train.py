@@ -41,16 +41,16 @@ from bench.common import (  # noqa: E402
     commit_synthetic_manifest,
     start_logging_and_device,
 )
-from dflash_cache.codecs import get_codec, to_stored_numpy  # noqa: E402
-from dflash_cache.manifest import PlanParams  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.reader import CacheReader  # noqa: E402
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, write_segment  # noqa: E402
-from train.cache_source import CacheSource  # noqa: E402
-from train.drafter import FrozenTargetHead  # noqa: E402
-from train.epochs import Position  # noqa: E402
-from train.sources import source_config  # noqa: E402
-from train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.store.codecs import get_codec, to_stored_numpy  # noqa: E402
+from dflash_cache.store.manifest import PlanParams  # noqa: E402
+from dflash_cache.store.reader import CacheReader  # noqa: E402
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, write_segment  # noqa: E402
+from dflash_cache.train.assemble import source_config  # noqa: E402
+from dflash_cache.train.cache_source import CacheSource  # noqa: E402
+from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
+from dflash_cache.train.epoch_plan import Position  # noqa: E402
+from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)
 

@@ -88,10 +88,10 @@ def extract(model, data, out, gpus, codec, dtype, trust_remote_code, num_layers,
             overlong, token_budget, max_rows, buckets, unit_rows, writers, prefetch, overwrite, profile_interval,
             no_progress) -> None:
     """Phase 1: run the target over a tokenized dataset and cache packed hidden states."""
-    from extract.config import ExtractConfig
-    from extract.planning import PlanConfig
-    from extract.run import extract as run_extract
-    from extract.target import TargetSpec
+    from dflash_cache.extract.config import ExtractConfig
+    from dflash_cache.extract.run import extract as run_extract
+    from dflash_cache.extract.target import TargetSpec
+    from dflash_cache.store.plan import PlanConfig
 
     cfg = ExtractConfig(
         target=TargetSpec(model=model, dtype=dtype, num_layers=num_layers, layers=_int_list(layers),
@@ -166,9 +166,9 @@ def train(cache, live, target, out, block_size, draft_layers, num_anchors, max_a
           queue_depth, target_token_budget, target_max_rows, write_cache, write_codec, profile_interval,
           no_progress) -> None:
     """Phase 2: train a DFlash drafter from a cache (or --live from the target); exports to OUT/export."""
-    from train.interrupt import TrainingInterrupted
-    from train.trainer import LiveConfig, TrainConfig
-    from train.trainer import train as run_train
+    from dflash_cache.train.interrupt import TrainingInterrupted
+    from dflash_cache.train.trainer import LiveConfig, TrainConfig
+    from dflash_cache.train.trainer import train as run_train
 
     if live and (cache or not data):
         raise UserError("--live takes --data (and no --cache); without --live, give --cache")
@@ -214,10 +214,10 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
 
     import torch
 
-    from extract.target import TargetSpec, describe_target, load_target, parse_dtype
-    from train.drafter import FrozenTargetHead
-    from train.export import drafter_from_export
-    from train.speculative import evaluate, load_prompts
+    from dflash_cache.extract.target import TargetSpec, describe_target, load_target, parse_dtype
+    from dflash_cache.train.drafter import FrozenTargetHead
+    from dflash_cache.train.export import drafter_from_export
+    from dflash_cache.train.speculative import evaluate, load_prompts
 
     path = Path(drafter)
     path = path / "export" if (path / "export" / "config.json").is_file() else path
@@ -262,7 +262,10 @@ def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as
     """What is in a cache: summary, buckets, missing units, samples, verification."""
     import contextlib
 
-    from dflash_cache.inspect import (
+    from dflash_cache.store.lock import CacheLock
+    from dflash_cache.store.reader import CacheReader
+    from dflash_cache.store.repair import is_half_made
+    from dflash_cache.store.report import (
         describe_sample,
         format_sample,
         format_summary,
@@ -270,9 +273,6 @@ def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as
         summarize,
         verification,
     )
-    from dflash_cache.lock import CacheLock
-    from dflash_cache.reader import CacheReader
-    from dflash_cache.repair import is_half_made
 
     if repair and not do_verify:
         raise UserError("--repair works on what verification finds: pass --verify --repair")

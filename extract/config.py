@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from dflash_cache.codecs import get_codec
 from dflash_cache.errors import UserError
-from extract.planning import PlanConfig
-from extract.target import TargetSpec
+from dflash_cache.extract.target import TargetSpec
+from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.plan import PlanConfig
 
 
 @dataclass(frozen=True, kw_only=True)

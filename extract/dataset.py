@@ -5,7 +5,7 @@ front, by `TokenizedDataset.scan`: every row's types, lengths, loss mask values 
 validated (vectorised per record batch) before any hidden state is written, and a bad row surfaces as a
 one-line `UserError` instead of a half-written cache. Data is never loaded whole: Arrow files are
 memory-mapped, Parquet is read by row group and JSONL through a line-offset index
-(see `extract.dataset_formats`), so `read_rows` touches only the rows it returns.
+(see `dflash_cache.extract.dataset_formats`), so `read_rows` touches only the rows it returns.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_cache.errors import UserError
-from extract.dataset_formats import ArrowSource, Source, open_source
+from dflash_cache.extract.dataset_formats import ArrowSource, Source, open_source
 
 __all__ = ["DatasetScan", "Row", "TokenizedDataset", "from_table", "open_dataset"]
 

@@ -1,8 +1,8 @@
-"""Format-specific lazy readers behind `extract.dataset`.
+"""Format-specific lazy readers behind `dflash_cache.extract.dataset`.
 
 Each reader ("source") knows its files, column names and row count up front (from Arrow memory maps,
 Parquet footers or a JSONL line-offset index) and yields record batches for any contiguous row range
-without reading rows outside it. Validation of the values is done once, in `extract.dataset`.
+without reading rows outside it. Validation of the values is done once, in `dflash_cache.extract.dataset`.
 """
 
 from __future__ import annotations

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_cache.codecs import ArraySpec, get_codec, to_stored_numpy
 from dflash_cache.errors import UserError
+from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.dataset import Row, TokenizedDataset
 from dflash_cache.profiler import StageProfiler
-from dflash_cache.segments import SegmentRecord, write_segment
-from extract.dataset import Row, TokenizedDataset
-from extract.planning import PlannedBatch
-from extract.target import HiddenStateCapture
+from dflash_cache.store.codecs import ArraySpec, get_codec, to_stored_numpy
+from dflash_cache.store.plan import PlannedBatch
+from dflash_cache.store.segments import SegmentRecord, write_segment
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 `extract(cfg, gpus)` validates and plans once, takes the cache lock, creates or reopens the
 cache, then runs the missing segments: in this process (CPU or one GPU) or in one worker process
-per GPU (`python -m extract.worker`, one CUDA device each). Under torchrun every rank runs this
+per GPU (`python -m dflash_cache.extract.worker`, one CUDA device each). Under torchrun every rank runs this
 same function; rank 0 plans and commits the manifest while the others wait at a barrier.
 Whichever way it ran, the index is rewritten at the end from the commits.
 """
@@ -21,15 +21,16 @@ from pathlib import Path
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.lock import CacheLock
-from dflash_cache.manifest import read_manifest
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.job import Job, open_data, open_or_create, plan_job
+from dflash_cache.extract.pipeline import RankExtractor
+from dflash_cache.extract.target import describe_target, load_target
 from dflash_cache.profiler import StageProfiler, interval_from_env
-from dflash_cache.reader import write_index
-from dflash_cache.segments import read_records, segment_name
-from extract.config import ExtractConfig
-from extract.pipeline import RankExtractor
-from extract.prepare import Job, open_data, open_or_create, plan_job, read_plan
-from extract.target import describe_target, load_target
+from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.manifest import read_manifest
+from dflash_cache.store.plan import read_plan
+from dflash_cache.store.reader import write_index
+from dflash_cache.store.segments import read_records, segment_name
 
 log = logging.getLogger(__name__)
 WORKER_CONFIG_ENV = "DFLASH_EXTRACT_CONFIG"
@@ -118,7 +119,7 @@ def _spawn_workers(cfg: ExtractConfig, devices: list[int]) -> None:
     for rank, gpu in enumerate(devices):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), WORKER_CONFIG_ENV: cfg.to_json(),
                "DFLASH_RANK": str(rank), "DFLASH_WORLD_SIZE": str(len(devices))}
-        procs.append(subprocess.Popen([sys.executable, "-m", "extract.worker"], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_cache.extract.worker"], env=env))
     failed = None
     try:
         while any(p.poll() is None for p in procs):

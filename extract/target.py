@@ -1,10 +1,9 @@
-"""The target model: loading it, choosing DFlash layers, and capturing their packed outputs.
+"""The target model: loading it (cut after the last layer DFlash uses), choosing those layers, and
+fingerprinting what a cache was made from.
 
 Only the decoder layers up to the last selected one are built and loaded (the config is cut
 before `from_pretrained`), the final norm is replaced by identity and the LM head is never run:
-extraction pays for exactly the layers it keeps. Each selected layer's output is packed over real
-tokens by a forward hook as soon as the layer finishes, straight into its column block of the
-[T, n_layers * H] result, so no padded [B, L, n_layers * H] tensor ever exists.
+extraction pays for exactly the layers it keeps.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import copy
 import hashlib
 import json
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,80 +20,17 @@ import torch
 from torch import nn
 
 from dflash_cache.errors import UserError
-from dflash_cache.manifest import TargetIdentity
+from dflash_cache.extract.tiny import TINY, build_tiny_target, tiny_config, tiny_weights_path
+from dflash_cache.store.manifest import TargetIdentity
 
 log = logging.getLogger(__name__)
 
-TINY = "tiny"
-# The built-in target's assets, made by `python -m extract.tiny_pretrain` and shipped as package data.
-TINY_DIR = Path(__file__).resolve().parent / "tiny_target"
-TINY_WEIGHTS_FILE = "model.safetensors"
-TINY_CONFIG_FILE = "config.json"
-TINY_TOKENIZER_FILE = "tokenizer.json"
-TINY_PROMPTS_FILE = "demo_prompts.json"
-TINY_REPORT_FILE = "train_report.json"
-TINY_EOT = "<|endoftext|>"  # id 0: end of text, also the padding id
-TINY_MASK = "<|mask|>"  # id vocab-1: the drafter's mask token, never produced from text
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 # Config keys that say nothing about the computation the target performs.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                          "_attn_implementation", "_attn_implementation_autoset", "architectures",
                          "_commit_hash", "output_hidden_states", "return_dict"}
-
-
-def tiny_config():
-    """A small Qwen3-architecture target for tests and the demo: 8 layers, hidden 128, vocab 2048."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
-        tie_word_embeddings=False, initializer_range=0.02, rms_norm_eps=1e-6,
-    )
-
-
-def tiny_weights_path() -> Path:
-    path = TINY_DIR / TINY_WEIGHTS_FILE
-    if not path.is_file():
-        raise UserError(f"the tiny target's weights are missing ({path}); "
-                        "run `python -m extract.tiny_pretrain --out extract/tiny_target`")
-    return path
-
-
-def build_tiny_target(num_layers: int | None = None) -> nn.Module:
-    """The tiny target: a Qwen3 pretrained on the Python stdlib (see extract/tiny_pretrain.py),
-    fp32 in memory, eval mode, cut to its first `num_layers` layers; global RNG state is untouched
-    (the constructor's random init, immediately overwritten, runs in a forked RNG)."""
-    from safetensors.torch import load_file
-    from transformers import Qwen3ForCausalLM
-
-    state = load_file(tiny_weights_path())
-    with torch.random.fork_rng(devices=[]):
-        model = Qwen3ForCausalLM(tiny_config())
-    model.load_state_dict(state, strict=True)
-    model = model.float()
-    if num_layers is not None:
-        model.model.layers = model.model.layers[:num_layers]
-    return model.eval()
-
-
-def load_tiny_tokenizer(path: Path | str | None = None):
-    """The tiny target's `tokenizers.Tokenizer`, set to encode special-token text as plain text, so
-    `<|mask|>` (id vocab-1) and `<|endoftext|>` (id 0) are never produced from input strings."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(path if path is not None else TINY_DIR / TINY_TOKENIZER_FILE))
-    tok.encode_special_tokens = True
-    return tok
-
-
-def tiny_tokenizer():
-    """The tiny target's tokenizer as a transformers fast tokenizer (eos = pad = id 0, mask = vocab-1)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(tokenizer_file=str(TINY_DIR / TINY_TOKENIZER_FILE), eos_token=TINY_EOT,
-                                   pad_token=TINY_EOT, mask_token=TINY_MASK, split_special_tokens=True)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -260,78 +195,3 @@ def decoder_of(model: nn.Module) -> nn.Module:
         raise UserError(f"{type(model).__name__} has no decoder layer list; this architecture is not supported")
     return base
 
-
-def prebuilt_mask_ok(config) -> bool:
-    """Whether we may hand SDPA our own 4-D mask: SDPA attention and no sliding-window layers."""
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return impl == "sdpa" and all(t == "full_attention" for t in layer_types)
-
-
-def causal_padding_mask(attention: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool, True where query t may see key s: s <= t and s is a real token.
-
-    The same mask Hugging Face builds for right-padded SDPA batches, but made on the device
-    without looking at the data: HF's own path calls `.all()` on the 2-D mask, a host sync per
-    forward that leaves the GPU idle while the CPU catches up.
-    """
-    length = attention.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).tril_()
-    return causal[None, None] & attention.bool()[:, None, None, :]
-
-
-def run_backbone(decoder: nn.Module, input_ids: torch.Tensor, attention: torch.Tensor) -> None:
-    """The cut decoder stack on a right-padded batch (outputs are taken by hooks)."""
-    mask = causal_padding_mask(attention) if prebuilt_mask_ok(decoder.config) else attention
-    decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
-
-
-class HiddenStateCapture:
-    """Runs the cut target and returns the selected layers packed over real tokens.
-
-    `__call__(input_ids [B, L], attention_mask [B, L], gather [T])` returns bf16 [T, n*H] where
-    `gather` holds the flat indices b * L + t of the real tokens (built on the host, so packing
-    needs no `nonzero()` and no host synchronisation).
-    """
-
-    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
-        self.decoder = decoder_of(model)
-        self.layer_ids = layer_ids
-        self.hidden_size = int(model.config.hidden_size)
-        if hasattr(self.decoder, "norm"):
-            self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
-        self._out: torch.Tensor | None = None
-        self._gather: torch.Tensor | None = None
-        self._busy = threading.Lock()  # the hooks read per-call state: one call at a time
-        self._hooks = [self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
-                       for col, layer_id in enumerate(layer_ids)]
-
-    def remove(self) -> None:
-        """Detach the hooks, leaving the model as it was (benchmarks reuse one model)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def _hook(self, col: int):
-        h = self.hidden_size
-
-        def pack(_module: nn.Module, _args: tuple, output) -> None:
-            hidden = output[0] if isinstance(output, tuple) else output
-            assert self._out is not None and self._gather is not None
-            flat = hidden.reshape(-1, h).index_select(0, self._gather)
-            self._out[:, col * h : (col + 1) * h].copy_(flat)
-
-        return pack
-
-    @torch.no_grad()  # not inference_mode: the live source hands these features to autograd
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
-        n_tokens = gather.shape[0]
-        width = len(self.layer_ids) * self.hidden_size
-        with self._busy:
-            self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
-            self._gather = gather
-            try:
-                run_backbone(self.decoder, input_ids, attention_mask)
-                return self._out
-            finally:
-                self._out, self._gather = None, None

@@ -1,4 +1,4 @@
-"""Entry point of one per-GPU extraction worker (spawned by `extract.run`, not run by hand)."""
+"""Entry point of one per-GPU extraction worker (spawned by `dflash_cache.extract.run`, not run by hand)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.segments import read_records
-from extract.config import ExtractConfig
-from extract.run import WORKER_CONFIG_ENV, run_rank, worker_job
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.run import WORKER_CONFIG_ENV, run_rank, worker_job
+from dflash_cache.store.segments import read_records
 
 
 def main() -> int:

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from extract.config import ExtractConfig
-from extract.planning import PlanConfig
-from extract.target import TargetSpec
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.target import TargetSpec
+from dflash_cache.store.plan import PlanConfig
 
 SMALL_PLAN = PlanConfig(token_budget=1024, max_rows=8, unit_rows=16, bucket_bounds=(0, 32, 64))
 

@@ -1,2 +1,2 @@
-"""Phase 2: the DFlash drafter and its trainer (not yet implemented; the cache reader API in
-`dflash_cache.reader` is what it will build on)."""
+"""Phase 2: the DFlash drafter, its loss and its trainer, fed packed batches by a source (the cache
+or the live target)."""

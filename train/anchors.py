@@ -16,7 +16,7 @@ Up to ``num_anchors`` candidates are drawn per document uniformly without replac
 each document in key order are kept); with ``max_anchors``, a uniform random subset of that size
 is kept when there are more (one more ``randperm``, drawn only then). The kept anchors are
 returned sorted by flat token index, i.e. by (document, position), so the blocks of one document
-are contiguous in query order: `train.masks.document_masks` attends document by document on that
+are contiguous in query order: `dflash_cache.train.masks.document_masks` attends document by document on that
 promise (and checks it). Random numbers are drawn on the generator's device and moved to the
 batch's device, so a CPU generator gives identical anchors on CPU and CUDA.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from train.batch import PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
 
 IGNORE_INDEX = -100
 DEFAULT_NUM_ANCHORS = 512

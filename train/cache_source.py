@@ -1,6 +1,6 @@
 """The cache source: packed training batches streamed from an extraction cache.
 
-Batches are planned from the cache index alone (`train.epochs`), no feature data.
+Batches are planned from the cache index alone (`dflash_cache.train.epoch_plan`), no feature data.
 
 Reading runs in background threads `prefetch` batches ahead (zarr decompression releases the
 GIL); each batch is assembled there straight into pinned memory, then copied to the device on a
@@ -18,13 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from dflash_cache.codecs import numpy_to_torch
 from dflash_cache.errors import UserError
-from dflash_cache.manifest import Manifest
 from dflash_cache.profiler import StageProfiler
-from dflash_cache.reader import CacheReader
-from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
-from train.epochs import Position, SampleTable, SourceConfig, position_after
+from dflash_cache.store.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.codecs import numpy_to_torch
+from dflash_cache.store.manifest import Manifest
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_cache.jsonio import fsync_path, read_json, write_json_atomic
+from dflash_cache.files import fsync_path, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 

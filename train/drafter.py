@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from train.config import DrafterConfig
-from train.masks import DocumentMasks, document_keys
-from train.remote_code.dflash import DFlashRMSNorm as RMSNorm  # one norm: the exported model code's
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.masks import DocumentMasks, document_keys
+from dflash_cache.train.remote_code.dflash import (
+    DFlashRMSNorm as RMSNorm,  # one norm: the exported model code's
+)
 
 INIT_STD = 0.02
 
@@ -241,5 +243,5 @@ class FrozenTargetHead(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full logits; for small inputs only (training uses train.loss.chunked_weighted_ce)."""
+        """Full logits; for small inputs only (training uses dflash_cache.train.loss.chunked_weighted_ce)."""
         return hidden.to(self.lm_weight.dtype) @ self.lm_weight.T

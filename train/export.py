@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from dflash_cache.jsonio import write_bytes_atomic, write_json_atomic
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter
+from dflash_cache.files import write_bytes_atomic, write_json_atomic
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -69,7 +69,7 @@ def export_config(cfg: DrafterConfig) -> dict:
 
 def model_code() -> bytes:
     """The self-contained transformers module written next to config.json (train/remote_code)."""
-    return resources.files("train.remote_code").joinpath(MODEL_CODE_NAME).read_bytes()
+    return resources.files("dflash_cache.train.remote_code").joinpath(MODEL_CODE_NAME).read_bytes()
 
 
 def export_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) -> None:

@@ -1,9 +1,9 @@
 """The live source: the target runs next to the drafter and feeds it through a bounded queue.
 
 The fallback when there is no cache. It plans exactly the batches a cache of the same dataset
-would give (`train.epochs` over the same canonical sample table), and computes each batch's
-features with the extraction code itself: rows are laid out by `extract.pipeline.layout_batch`
-and run through `extract.target.HiddenStateCapture`, which packs every captured layer on the
+would give (`dflash_cache.train.epoch_plan` over the same canonical sample table), and computes each batch's
+features with the extraction code itself: rows are laid out by `dflash_cache.extract.pipeline.layout_batch`
+and run through `dflash_cache.extract.target.HiddenStateCapture`, which packs every captured layer on the
 forward's own stream. One worker thread per target device takes every n-th batch; the consumer
 takes them back in order. A batch crosses to the drafter only with an event recorded after its
 forward (and the device-to-device copy, when the devices differ), so the drafter's stream waits on
@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import UserError
+from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset
+from dflash_cache.extract.pipeline import layout_batch
+from dflash_cache.extract.planning import buckets_of, plan_unit
 from dflash_cache.profiler import StageProfiler
-from extract.dataset import DatasetScan, TokenizedDataset
-from extract.pipeline import layout_batch
-from extract.planning import PlanConfig, buckets_of, plan_unit
-from extract.target import HiddenStateCapture
-from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
-from train.epochs import Position, SampleTable, SourceConfig, position_after
+from dflash_cache.store.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.plan import PlanConfig
+from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_DEPTH = 60

@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from train.anchors import Blocks
-from train.batch import PackedBatch
+from dflash_cache.store.batch import PackedBatch
+from dflash_cache.train.anchors import Blocks
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

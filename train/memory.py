@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_cache.errors import UserError
-from train.config import DrafterConfig
+from dflash_cache.train.config import DrafterConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from train.anchors import IGNORE_INDEX, Blocks
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, FrozenTargetHead
-from train.masks import build_masks
+from dflash_cache.train.anchors import IGNORE_INDEX, Blocks
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead
+from dflash_cache.train.masks import build_masks
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, 
 
 def load_prompts(data: str, limit: int) -> list[list[int]]:
     """The first `limit` rows' prompts: each row's tokens before its first supervised one."""
-    from extract.prepare import open_data
+    from dflash_cache.extract.job import open_data
 
     dataset = open_data(data, None)
     prompts = []

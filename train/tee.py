@@ -20,17 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.codecs import get_codec, to_stored_numpy
-from dflash_cache.lock import CacheLock
-from dflash_cache.segments import read_records, segment_name, write_segment
-from extract.config import ExtractConfig
-from extract.dataset import DatasetScan, TokenizedDataset
-from extract.planning import Plan, PlanConfig, PlannedBatch
-from extract.prepare import Job, build_manifest, open_or_create
-from extract.run import finish_cache
-from extract.target import TargetDescription
-from train.batch import PackedBatch
-from train.epochs import SampleTable, SourceConfig
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset
+from dflash_cache.extract.job import Job, build_manifest, open_or_create
+from dflash_cache.extract.run import finish_cache
+from dflash_cache.extract.target import TargetDescription
+from dflash_cache.store.batch import PackedBatch
+from dflash_cache.store.codecs import get_codec, to_stored_numpy
+from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
+from dflash_cache.store.segments import read_records, segment_name, write_segment
+from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import UserError
-from dflash_cache.jsonio import write_bytes_atomic
+from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
-from train.anchors import sample_anchors
-from train.batch import PackedBatch
-from train.cache_source import CacheSource
-from train.checkpoint import (
+from dflash_cache.store.batch import PackedBatch
+from dflash_cache.train.anchors import sample_anchors
+from dflash_cache.train.cache_source import CacheSource
+from dflash_cache.train.checkpoint import (
     TrainerState,
     UnreadableCheckpoint,
     apply_tensors,
@@ -38,15 +38,15 @@ from train.checkpoint import (
     read_tensors,
     save_checkpoint,
 )
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
-from train.epochs import Position
-from train.export import export_drafter
-from train.interrupt import DeferredInterrupt, TrainingInterrupted
-from train.live_source import LiveSource
-from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
-from train.masks import build_masks, context_doc_pos
-from train.memory import fit_max_anchors
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
+from dflash_cache.train.epoch_plan import Position
+from dflash_cache.train.export import export_drafter
+from dflash_cache.train.interrupt import DeferredInterrupt, TrainingInterrupted
+from dflash_cache.train.live_source import LiveSource
+from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
+from dflash_cache.train.masks import build_masks, context_doc_pos
+from dflash_cache.train.memory import fit_max_anchors
 
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
@@ -141,7 +141,7 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> Trainer:
-        from train.sources import cache_parts, live_parts
+        from dflash_cache.train.assemble import cache_parts, live_parts
 
         t0 = time.perf_counter()
         profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")

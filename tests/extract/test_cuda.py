@@ -6,11 +6,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dflash_cache.fp8 import fp8_error_bound
-from dflash_cache.inspect import verify
-from dflash_cache.reader import CacheReader
-from extract.run import extract
-from extract.target import TargetSpec, build_tiny_target
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec
+from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.store.fp8 import fp8_error_bound
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
 from tests.conftest import extract_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Tests for the lazy tokenized-dataset readers in `extract.dataset`."""
+"""Tests for the lazy tokenized-dataset readers in `dflash_cache.extract.dataset`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_cache.errors import UserError
-from extract.dataset import Row, from_table, open_dataset
+from dflash_cache.extract.dataset import Row, from_table, open_dataset
 
 RNG = np.random.default_rng(0)
 LENGTHS = [int(x) for x in RNG.integers(1, 40, size=25)]

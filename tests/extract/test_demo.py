@@ -7,10 +7,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_cache.errors import UserError
-from extract import demo
-from extract.demo import DEMO_ROWS_FILE, complete, completion_lengths, cut_at_eot, demo_prompts, demo_table
-from extract.prepare import open_data
-from extract.target import TINY_DIR, build_tiny_target, tiny_config
+from dflash_cache.extract import demo
+from dflash_cache.extract.demo import (
+    DEMO_ROWS_FILE,
+    complete,
+    completion_lengths,
+    cut_at_eot,
+    demo_prompts,
+    demo_table,
+)
+from dflash_cache.extract.job import open_data
+from dflash_cache.extract.tiny import TINY_DIR, build_tiny_target, tiny_config
 
 MASK_ID = tiny_config().vocab_size - 1
 
@@ -61,7 +68,7 @@ def test_stale_or_missing_rows_are_refused(tmp_path, monkeypatch):
     try:
         monkeypatch.setattr(demo, "provenance", lambda: {"tiny_weights": "other", "prompts": "x", "seed": "1"})
         with pytest.raises(UserError, match="made from other tiny-target weights or prompts; rebuild it with "
-                                            "`python -m extract.demo`"):
+                                            "`python -m dflash_cache.extract.demo`"):
             demo_table()
         monkeypatch.setattr(demo, "TINY_DIR", tmp_path)
         with pytest.raises(UserError, match="demo rows are missing"):

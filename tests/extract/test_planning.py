@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from dflash_cache.errors import UserError
-from extract.planning import PlanConfig, make_plan, plan_from_columns
+from dflash_cache.extract.planning import make_plan
+from dflash_cache.store.plan import PlanConfig, plan_from_columns
 
 
 def _plan(lengths, keep=None, **kw):

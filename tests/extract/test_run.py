@@ -19,12 +19,12 @@ import torch
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
-from dflash_cache.inspect import verify
-from dflash_cache.lock import CacheLock
-from dflash_cache.reader import CacheReader
-from dflash_cache.segments import read_records
-from extract.prepare import open_or_create, plan_job
-from extract.run import extract, run_rank
+from dflash_cache.extract.job import open_or_create, plan_job
+from dflash_cache.extract.run import extract, run_rank
+from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
+from dflash_cache.store.segments import read_records
 from tests.conftest import extract_config, random_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ def test_non_cache_directory_is_not_clobbered(small_parquet, tmp_path):
 
 
 def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, monkeypatch):
-    import dflash_cache.segments as segments
+    import dflash_cache.store.segments as segments
 
     real = segments.write_array
     calls = {"n": 0}
@@ -231,7 +231,7 @@ def _same_cache(a: Path, b: Path) -> None:
 
 def _killed_at_creation(data: Path, out: Path, monkeypatch) -> None:
     """Run extract into `out` and 'kill' it after zarr.json and plan.parquet, before manifest.json."""
-    import extract.prepare as prepare
+    import dflash_cache.extract.job as prepare
 
     def killed(*_a):
         raise Killed
@@ -263,7 +263,7 @@ def test_killed_at_creation_then_rerun_equals_an_uninterrupted_run(tmp_path, mon
 @pytest.mark.parametrize("existing", [False, True])
 def test_disk_full_at_creation_leaves_nothing(small_parquet, tmp_path, monkeypatch, existing):
     """ENOSPC while writing the manifest: one line, exit 2, no traceback, no stray manifest.json.PID.tmp."""
-    import extract.prepare as prepare
+    import dflash_cache.extract.job as prepare
 
     def disk_full(root, _manifest):
         (root / f"manifest.json.{os.getpid()}.tmp").write_bytes(b"{")
@@ -331,7 +331,7 @@ def test_bad_profile_interval_env_exits_2_before_writing(small_parquet, tmp_path
 
 def test_rank_log_counts_every_segment(small_parquet, tmp_path, caplog):
     """The count was taken after finished writes were dropped from the in-flight list (2 for 12); here 9 are written."""
-    caplog.set_level("INFO", logger="extract.run")
+    caplog.set_level("INFO", logger="dflash_cache.extract.run")
     extract(extract_config(small_parquet, tmp_path / "c", writers=1), "cpu", echo=lambda *_: None)
     assert len(read_records(tmp_path / "c")) == 9
     assert any(m.startswith("rank 0: 9 segments,") for m in caplog.messages), caplog.messages

@@ -5,16 +5,10 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.reader import CacheReader
-from extract.run import extract
-from extract.target import (
-    TargetSpec,
-    build_tiny_target,
-    check_layers,
-    describe_target,
-    load_target,
-    select_layers,
-)
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec, check_layers, describe_target, load_target, select_layers
+from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.store.reader import CacheReader
 from tests.conftest import extract_config
 
 
@@ -72,7 +66,7 @@ def test_cached_features_equal_plain_hf_forward(small_parquet, tmp_path):
 
 
 def test_prebuilt_mask_is_causal_and_hides_padding():
-    from extract.target import causal_padding_mask
+    from dflash_cache.extract.capture import causal_padding_mask
 
     m = causal_padding_mask(torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert m.shape == (2, 1, 3, 3)
@@ -81,7 +75,8 @@ def test_prebuilt_mask_is_causal_and_hides_padding():
 
 
 def test_sliding_window_targets_keep_hugging_face_masks():
-    from extract.target import prebuilt_mask_ok, tiny_config
+    from dflash_cache.extract.capture import prebuilt_mask_ok
+    from dflash_cache.extract.tiny import tiny_config
 
     config = tiny_config()
     assert prebuilt_mask_ok(config)
@@ -92,7 +87,8 @@ def test_sliding_window_targets_keep_hugging_face_masks():
 def test_weights_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    from extract.target import tiny_config, weights_fingerprint
+    from dflash_cache.extract.target import weights_fingerprint
+    from dflash_cache.extract.tiny import tiny_config
 
     for seed, name in ((0, "a"), (0, "a_again"), (1, "b")):
         torch.manual_seed(seed)
@@ -107,7 +103,7 @@ def test_loading_only_the_head_does_not_read_as_an_error(caplog):
     import logging
 
     desc = describe_target(TargetSpec(model="tiny"))
-    with caplog.at_level(logging.INFO, logger="extract.target"):
+    with caplog.at_level(logging.INFO, logger="dflash_cache.extract.target"):
         load_target(desc, torch.device("cpu"), keep=0)
     assert not any("0 of" in m for m in caplog.messages), caplog.messages
     assert any("embedding and LM head" in m for m in caplog.messages)

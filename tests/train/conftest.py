@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.config import ExtractConfig
-from extract.planning import PlanConfig
-from extract.run import extract
-from extract.target import TargetSpec
-from train.trainer import TrainConfig, Trainer
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec
+from dflash_cache.store.plan import PlanConfig
+from dflash_cache.train.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Anchor sampling and block construction (train.anchors)."""
+"""Anchor sampling and block construction (dflash_cache.train.anchors)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from train.anchors import Blocks, default_gamma, sample_anchors
-from train.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.train.anchors import Blocks, default_gamma, sample_anchors
 
 MASK = 99_999
 

@@ -1,5 +1,5 @@
-"""The drafter's dense (CPU) attention, document by document (train.drafter.DFlashAttention with
-train.masks.DocumentMasks): same outputs and gradients as one mask over the packed batch, at a
+"""The drafter's dense (CPU) attention, document by document (dflash_cache.train.drafter.DFlashAttention with
+dflash_cache.train.masks.DocumentMasks): same outputs and gradients as one mask over the packed batch, at a
 memory that follows the documents."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import train.masks as masks_mod
-from extract.target import tiny_config
+import dflash_cache.train.masks as masks_mod
+from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.store.batch import PackedBatch
+from dflash_cache.train.anchors import Blocks, sample_anchors
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, init_drafter
+from dflash_cache.train.masks import DocumentMasks, build_masks, context_doc_pos, dense_mask
 from tests.train.test_masks import make_batch
-from train.anchors import Blocks, sample_anchors
-from train.batch import PackedBatch
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, init_drafter
-from train.masks import DocumentMasks, build_masks, context_doc_pos, dense_mask
 
 B = 4
 TYPES = ("sliding_attention", "full_attention", "sliding_attention")

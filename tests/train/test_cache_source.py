@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.reader import CacheReader
-from extract.run import extract
+from dflash_cache.extract.run import extract
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.train.cache_source import CacheSource, check_manifest
+from dflash_cache.train.epoch_plan import Position, SourceConfig, plan_epoch
 from tests.conftest import extract_config
-from train.cache_source import CacheSource, check_manifest
-from train.epochs import Position, SourceConfig, plan_epoch
 
 
 def _index(n=500, seed=0):

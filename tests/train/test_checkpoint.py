@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
+from dflash_cache.train.checkpoint import list_checkpoints
+from dflash_cache.train.trainer import Trainer
 from tests.train.conftest import demo_train_config
-from train.checkpoint import list_checkpoints
-from train.trainer import Trainer
 
 CPU = torch.device("cpu")
 
@@ -111,7 +111,7 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(demo_cache, tmp_p
         (newest / "drafter.safetensors").write_bytes(data[: len(data) // 2])
     else:
         (newest / "state.json").write_text('{"step": "four"')
-    with caplog.at_level(logging.WARNING, logger="train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dflash_cache.train.trainer"):
         _run(demo_cache, tmp_path, max_steps=5, save_every=2, resume=True)
     assert any("step_0000004" in m and "falling back" in m for m in caplog.messages), caplog.messages
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -133,7 +133,7 @@ def test_resume_with_another_process_count_continues_from_the_global_position(de
     state = json.loads(state_path.read_text())
     state["world"] = 3  # as if three processes had trained: position 3 = one batch each
     state_path.write_text(json.dumps(state))
-    with caplog.at_level(logging.WARNING, logger="train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dflash_cache.train.trainer"):
         trainer = Trainer.build(demo_train_config(demo_cache, tmp_path, resume=True, epochs=1), device=CPU)
         assert trainer.restore()
     assert trainer.position.batch == 3 and trainer.step == 3

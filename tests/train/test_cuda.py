@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from extract.target import tiny_config
+from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.train.anchors import sample_anchors
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import init_drafter
+from dflash_cache.train.masks import build_masks, context_doc_pos
+from dflash_cache.train.trainer import Trainer
 from tests.train.conftest import demo_train_config
 from tests.train.test_masks import make_batch
-from train.anchors import sample_anchors
-from train.config import DrafterConfig
-from train.drafter import init_drafter
-from train.masks import build_masks, context_doc_pos
-from train.trainer import Trainer
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TYPES = ("sliding_attention", "full_attention", "sliding_attention")

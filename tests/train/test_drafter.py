@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from extract.target import build_tiny_target, tiny_config
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
+from dflash_cache.extract.tiny import build_tiny_target, tiny_config
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
 
 LAYER_IDS = (1, 3, 5)
 T, A, B = 14, 3, 4

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from extract.target import build_tiny_target, tiny_config
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, init_drafter
-from train.export import drafter_from_export, export_drafter, load_exported
-from train.speculative import greedy_generate, load_prompts
+from dflash_cache.extract.tiny import build_tiny_target, tiny_config
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, init_drafter
+from dflash_cache.train.export import drafter_from_export, export_drafter, load_exported
+from dflash_cache.train.speculative import greedy_generate, load_prompts
 
 LAYER_IDS = (1, 3, 5)
 CONTEXT, OFFSET = 20, 5000  # context tokens in the forward checks, and their first position

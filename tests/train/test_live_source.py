@@ -11,17 +11,18 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.inspect import verify
-from dflash_cache.reader import CacheReader
-from extract.config import ExtractConfig
-from extract.planning import PlanConfig
-from extract.prepare import open_data
-from extract.run import extract
-from extract.target import HiddenStateCapture, TargetSpec, describe_target, load_target
-from train.cache_source import CacheSource
-from train.epochs import Position, SourceConfig
-from train.live_source import LiveSource, live_sample_table
-from train.trainer import LiveConfig, TrainConfig, Trainer
+from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.job import open_data
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec, describe_target, load_target
+from dflash_cache.store.plan import PlanConfig
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
+from dflash_cache.train.cache_source import CacheSource
+from dflash_cache.train.epoch_plan import Position, SourceConfig
+from dflash_cache.train.live_source import LiveSource, live_sample_table
+from dflash_cache.train.trainer import LiveConfig, TrainConfig, Trainer
 
 SOURCE = SourceConfig(token_budget=2048, min_supervised=16, seed=3, prefetch=2, read_threads=1)
 CPU = torch.device("cpu")

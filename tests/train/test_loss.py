@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
+from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 
 M, H, V = 37, 16, 50
 

@@ -1,4 +1,4 @@
-"""Attention masks for drafter training (train.masks): hand-built rules, dense vs flex agreement."""
+"""Attention masks for drafter training (dflash_cache.train.masks): hand-built rules, dense vs flex agreement."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-from train.anchors import Blocks, sample_anchors
-from train.batch import PackedBatch, positions_from_cu_seqlens
-from train.masks import (
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
+from dflash_cache.train.anchors import Blocks, sample_anchors
+from dflash_cache.train.masks import (
     DocumentMasks,
     build_masks,
     context_doc_pos,
@@ -281,7 +281,7 @@ def test_build_masks_shared_per_layer_type(two_docs, backend):
 
 @pytest.mark.parametrize("backend", ["dense", "flex"])
 def test_build_masks_builds_each_type_once(two_docs, backend, monkeypatch):
-    import train.masks as masks_mod
+    import dflash_cache.train.masks as masks_mod
 
     batch, blocks = two_docs
     doc, pos = context_doc_pos(batch)

@@ -7,7 +7,7 @@ import torch
 
 from bench.common import bench_drafter_config
 from dflash_cache.errors import UserError
-from train.memory import GIB, fit_max_anchors, step_memory
+from dflash_cache.train.memory import GIB, fit_max_anchors, step_memory
 
 QWEN3_8B = bench_drafter_config(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, layers=5,
                                 block=16, layer_ids=(1, 9, 17, 25, 33))

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from extract.target import tiny_config
-from train.config import DrafterConfig
-from train.drafter import DFlashDrafter, RotaryEmbedding, init_drafter
-from train.export import drafter_from_export, export_drafter
+from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter, RotaryEmbedding, init_drafter
+from dflash_cache.train.export import drafter_from_export, export_drafter
 
 POSITIONS = torch.tensor([0, 1, 1000, 7999, 8000])
 TOLERANCE = 1e-3

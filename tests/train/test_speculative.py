@@ -6,11 +6,12 @@ import torch
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
-from extract.target import TargetSpec, build_tiny_target, describe_target
-from train.config import DrafterConfig
-from train.drafter import FrozenTargetHead, init_drafter
-from train.export import drafter_from_export
-from train.speculative import evaluate, greedy_generate, load_prompts, speculative_generate
+from dflash_cache.extract.target import TargetSpec, describe_target
+from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import FrozenTargetHead, init_drafter
+from dflash_cache.train.export import drafter_from_export
+from dflash_cache.train.speculative import evaluate, greedy_generate, load_prompts, speculative_generate
 
 from .test_export import load_with_automodel
 

@@ -10,10 +10,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from dflash_cache.cli import cli
-from extract.run import extract
-from extract.target import TargetSpec
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec
+from dflash_cache.train.trainer import TrainConfig, Trainer, lr_factor
 from tests.train.conftest import demo_train_config
-from train.trainer import TrainConfig, Trainer, lr_factor
 
 
 def _cfg(cache: Path, out: Path, **kw) -> TrainConfig:
@@ -61,8 +61,8 @@ def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
 # Where a Ctrl-C lands inside step 6: after the anchors advanced the RNG, inside the loss, and
 # between the gradient clip and the optimizer step (weights not yet updated).
 INTERRUPT_POINTS = {
-    "anchors": ("train.trainer.sample_anchors", None),
-    "loss": ("train.trainer.chunked_weighted_ce", None),
+    "anchors": ("dflash_cache.train.trainer.sample_anchors", None),
+    "loss": ("dflash_cache.train.trainer.chunked_weighted_ce", None),
     "optimizer": ("torch.nn.utils.clip_grad_norm_", None),
 }
 
@@ -73,7 +73,7 @@ def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, mon
 
     import torch
 
-    from train.interrupt import TrainingInterrupted
+    from dflash_cache.train.interrupt import TrainingInterrupted
 
     target = INTERRUPT_POINTS[where][0]
     module_name, attr = target.rsplit(".", 1)
@@ -126,7 +126,7 @@ def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
 
     import torch
 
-    with caplog.at_level(logging.INFO, logger="train.trainer"):
+    with caplog.at_level(logging.INFO, logger="dflash_cache.train.trainer"):
         Trainer.build(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
     assert any(m.startswith("start-up: set-up ") for m in caplog.messages), "start-up is reported"
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
@@ -137,7 +137,7 @@ def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
 def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    from extract.target import tiny_config
+    from dflash_cache.extract.tiny import tiny_config
 
     config = tiny_config()
     config.vocab_size = 4096
@@ -180,7 +180,7 @@ def test_cache_from_another_checkpoint_of_the_same_architecture_is_refused(tmp_p
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from extract.target import tiny_config
+    from dflash_cache.extract.tiny import tiny_config
     from tests.conftest import extract_config
 
     for seed, name in ((0, "a"), (1, "b")):

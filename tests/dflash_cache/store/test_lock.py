@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash_cache.errors import UserError
-from dflash_cache.lock import LOCK_FILE, CacheLock
+from dflash_cache.store.lock import LOCK_FILE, CacheLock
 
 
 class Refused(Exception):

@@ -6,7 +6,7 @@ would. The standard library's `.py` files ship with every Python, so a small rea
 can be trained on them anywhere, with no download, and the result (weights, tokenizer, held-out
 demo prompts) is committed next to this file as `extract/tiny_target/`.
 
-    python -m extract.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json
+    python -m tools.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json
 
 Steps: collect the corpus and split it into train / held-out by a hash of each file's path
 (stable across Python versions: a file keeps its side as long as it keeps its path); train a
@@ -39,9 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cache.jsonio import write_bytes_atomic, write_json_atomic
-from extract.demo import REBUILD as REBUILD_DEMO
-from extract.target import (
+from dflash_cache.extract.demo import REBUILD as REBUILD_DEMO
+from dflash_cache.extract.tiny import (
     TINY_CONFIG_FILE,
     TINY_DIR,
     TINY_EOT,
@@ -53,6 +52,7 @@ from extract.target import (
     load_tiny_tokenizer,
     tiny_config,
 )
+from dflash_cache.files import write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
 

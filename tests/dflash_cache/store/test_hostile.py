@@ -18,11 +18,17 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import read_json
-from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE, read_manifest, write_manifest
-from dflash_cache.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, list_files, read_records
-from tests.dflash_cache._util import finishes_within, make_manifest, synthetic_cache, write_synthetic_segment
+from dflash_cache.files import read_json
+from dflash_cache.store.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from dflash_cache.store.plan import PLAN_FILE
+from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, list_files, read_records
+from tests.dflash_cache.store._util import (
+    finishes_within,
+    make_manifest,
+    synthetic_cache,
+    write_synthetic_segment,
+)
 
 NAME = "u000000-b00000"
 TIMEOUT = 10.0  # seconds: a FIFO that is opened blocks forever, a refused one takes milliseconds
@@ -328,7 +334,7 @@ def test_link_loop_inside_a_segment_is_walked_once(tmp_path):
 
 
 def test_segment_with_too_many_files_is_refused(tmp_path, monkeypatch):
-    import dflash_cache.segments as segments
+    import dflash_cache.store.segments as segments
 
     _, [(rec, _)] = synthetic_cache(tmp_path)
     r = CacheReader(tmp_path)

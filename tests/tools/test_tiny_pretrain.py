@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from extract import target as target_mod
-from extract.demo import demo_prompts
-from extract.target import (
+from dflash_cache.extract import tiny as target_mod
+from dflash_cache.extract.demo import demo_prompts
+from dflash_cache.extract.target import weights_fingerprint
+from dflash_cache.extract.tiny import (
     TINY_DIR,
     TINY_EOT,
     TINY_MASK,
@@ -21,9 +22,8 @@ from extract.target import (
     load_tiny_tokenizer,
     tiny_config,
     tiny_tokenizer,
-    weights_fingerprint,
 )
-from extract.tiny_pretrain import (
+from tools.tiny_pretrain import (
     PretrainConfig,
     SourceFile,
     encode_corpus,
@@ -126,7 +126,7 @@ def test_pretraining_runs_end_to_end(tmp_path):
 
 def test_a_failed_run_leaves_the_output_as_it_was(tmp_path, monkeypatch):
     """Nothing half-written: a run that fails after the tokenizer is made changes no file in --out."""
-    import extract.tiny_pretrain as tp
+    import tools.tiny_pretrain as tp
 
     src = tmp_path / "src"
     src.mkdir()

@@ -31,11 +31,11 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
-from dflash_cache.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.jsonio import inside, open_regular, write_bytes_atomic
-from dflash_cache.manifest import Manifest, read_manifest
-from dflash_cache.segments import (
+from dflash_cache.files import inside, open_regular, write_bytes_atomic
+from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
+from dflash_cache.store.manifest import Manifest, read_manifest
+from dflash_cache.store.segments import (
     ArrayLayout,
     SegmentRecord,
     array_problems,

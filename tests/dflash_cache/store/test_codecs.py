@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.codecs import get_codec
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.fp8 import fp8_error_bound
-from dflash_cache.reader import CacheReader
-from dflash_cache.segments import SEGMENTS_DIR
-from tests.dflash_cache._util import bf16_features, flip_byte, synthetic_cache
+from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.fp8 import fp8_error_bound
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.segments import SEGMENTS_DIR
+from tests.dflash_cache.store._util import bf16_features, flip_byte, synthetic_cache
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

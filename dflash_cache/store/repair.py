@@ -19,10 +19,10 @@ from pathlib import Path
 from zarr.core.common import ZARR_JSON
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import fsync_path
-from dflash_cache.manifest import MANIFEST_FILE
-from dflash_cache.reader import write_index
-from dflash_cache.segments import COMMITS_DIR, NAME_RE, read_records, remove_uncommitted
+from dflash_cache.files import fsync_path
+from dflash_cache.store.manifest import MANIFEST_FILE
+from dflash_cache.store.reader import write_index
+from dflash_cache.store.segments import COMMITS_DIR, NAME_RE, read_records, remove_uncommitted
 
 log = logging.getLogger(__name__)
 

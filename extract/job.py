@@ -5,7 +5,7 @@ half-made cache. An existing cache is reopened only if its manifest matches this
 field (same target, layers, codec, dataset and plan); otherwise the run is refused unless
 `--overwrite`. Crash leftovers (segments without a commit) are removed here, under the lock.
 A cache killed or refused a disk while being created is recognised by its `.creating` marker
-(`dflash_cache.repair`) and made again by the next run; a failed creation removes what it wrote.
+(`dflash_cache.store.repair`) and made again by the next run; a failed creation removes what it wrote.
 """
 
 from __future__ import annotations
@@ -16,34 +16,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import zarr
 from zarr.core.common import ZARR_JSON
 from zarr.storage import LocalStore
 
-from dflash_cache.codecs import get_codec
 from dflash_cache.errors import UserError
-from dflash_cache.jsonio import TMP_SUFFIX, fsync_path, write_bytes_atomic
-from dflash_cache.lock import LOCK_FILE
-from dflash_cache.manifest import (
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset, from_table, open_dataset
+from dflash_cache.extract.pipeline import disk_error
+from dflash_cache.extract.planning import make_plan
+from dflash_cache.extract.target import TargetDescription, describe_target
+from dflash_cache.files import TMP_SUFFIX, fsync_path
+from dflash_cache.profiler import interval_from_env
+from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.lock import LOCK_FILE
+from dflash_cache.store.manifest import (
     MANIFEST_FILE,
-    PLAN_FILE,
     Manifest,
     PlanParams,
     mismatches,
     read_manifest,
     write_manifest,
 )
-from dflash_cache.profiler import interval_from_env
-from dflash_cache.reader import INDEX_FILE, read_parquet
-from dflash_cache.repair import CREATING_FILE, is_half_made, remove_uncommitted_segments
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
-from extract.config import ExtractConfig
-from extract.dataset import DatasetScan, TokenizedDataset, from_table, open_dataset
-from extract.pipeline import disk_error
-from extract.planning import PLAN_COLUMNS, Plan, PlanConfig, make_plan, plan_from_columns
-from extract.target import TargetDescription, describe_target
+from dflash_cache.store.plan import PLAN_FILE, Plan, write_plan_table
+from dflash_cache.store.reader import INDEX_FILE
+from dflash_cache.store.repair import CREATING_FILE, is_half_made, remove_uncommitted_segments
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
 
 log = logging.getLogger(__name__)
 _CACHE_ENTRIES = (MANIFEST_FILE, PLAN_FILE, INDEX_FILE, SEGMENTS_DIR, COMMITS_DIR, ZARR_JSON, CREATING_FILE)
@@ -67,7 +65,7 @@ class Job:
 def open_data(data: str, limit: int | None = None) -> TokenizedDataset:
     """`--data`: a dataset path, or 'demo' for the built-in demo set."""
     if data == "demo":
-        from extract.demo import demo_table
+        from dflash_cache.extract.demo import demo_table
 
         table = demo_table()
         if limit is not None:
@@ -227,28 +225,3 @@ def open_or_create(job: Job) -> set[str]:
 def _foreign_entries(root: Path) -> bool:
     """Whether `root` holds anything besides lock files (a new or empty directory holds nothing)."""
     return root.exists() and any(not p.name.startswith(LOCK_FILE) for p in root.iterdir())
-
-
-def write_plan_table(root: Path, plan: Plan) -> None:
-    """The plan, one row per sample in plan order, so workers and `inspect` need neither data nor planner."""
-    parts = {"row": [], "unit": [], "batch": [], "bucket": [], "length": []}
-    for b in plan.batches:
-        n = len(b.rows)
-        parts["row"].append(b.rows)
-        parts["unit"].append(np.full(n, b.unit, np.int32))
-        parts["batch"].append(np.full(n, b.batch, np.int32))
-        parts["bucket"].append(np.full(n, b.bucket, np.int16))
-        parts["length"].append(b.lengths)
-    table = pa.table({k: np.concatenate(v) for k, v in parts.items()})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    write_bytes_atomic(root / PLAN_FILE, sink.getvalue().to_pybytes())
-
-
-def read_plan(root: Path, manifest: Manifest) -> Plan:
-    """The plan a cache was made with, from plan.parquet and the manifest."""
-    t = read_parquet(root, PLAN_FILE)
-    p = manifest.plan
-    config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,
-                        bucket_bounds=tuple(p.bucket_bounds))
-    return plan_from_columns(config, p.num_rows, *(t.column(c).to_numpy() for c in PLAN_COLUMNS))

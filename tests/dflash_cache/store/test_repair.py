@@ -7,12 +7,12 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
-from dflash_cache.lock import CacheLock
-from dflash_cache.reader import INDEX_FILE, CacheReader, records_digest
-from dflash_cache.repair import CREATING_FILE, uncommit
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
-from tests.dflash_cache._util import flip_byte
-from tests.dflash_cache.conftest import build_cache
+from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.reader import INDEX_FILE, CacheReader, records_digest
+from dflash_cache.store.repair import CREATING_FILE, uncommit
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
+from tests.dflash_cache.store._util import flip_byte
+from tests.dflash_cache.store.conftest import build_cache
 
 
 def run_inspect(*args):

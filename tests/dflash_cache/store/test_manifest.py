@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.manifest import (
+from dflash_cache.store.manifest import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     Manifest,
@@ -16,7 +16,7 @@ from dflash_cache.manifest import (
     read_manifest,
     write_manifest,
 )
-from tests.dflash_cache._util import make_manifest
+from tests.dflash_cache.store._util import make_manifest
 
 
 def test_json_round_trip_in_memory_and_on_disk(tmp_path):

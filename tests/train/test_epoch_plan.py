@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train.epochs import SampleTable, SourceConfig, position_after
+from dflash_cache.train.epoch_plan import SampleTable, SourceConfig, position_after
 
 
 def _table(n=400, seed=0) -> SampleTable:

@@ -7,7 +7,7 @@ compresses each array. Every chain ends with a CRC32C so a flipped byte raises o
 
 * ``none``: raw bf16 bits, checksummed only.
 * ``bf16``: lossless; byte shuffle + zstd-1 through Blosc (bf16 exponents compress, mantissas don't).
-* ``fp8``: e4m3 with one float32 scale per token per layer (see `dflash_cache.fp8`), then zstd.
+* ``fp8``: e4m3 with one float32 scale per token per layer (see `dflash_cache.store.fp8`), then zstd.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class FeatureCodec:
             raise ValueError(f"features must be bfloat16, got {features.dtype}")
         if self.name in ("none", "bf16"):
             return {"features": features.view(torch.int16)}
-        from dflash_cache.fp8 import quantize_fp8
+        from dflash_cache.store.fp8 import quantize_fp8
 
         q, scales = quantize_fp8(features, n_layers)
         return {"features": q, "scales": scales}
@@ -89,7 +89,7 @@ class FeatureCodec:
         feats = arrays["features"]
         if self.name in ("none", "bf16"):
             return feats.view(torch.bfloat16) if feats.dtype == torch.int16 else _u16_to_bf16(feats)
-        from dflash_cache.fp8 import dequantize_fp8
+        from dflash_cache.store.fp8 import dequantize_fp8
 
         return dequantize_fp8(feats, arrays["scales"], n_layers)
 

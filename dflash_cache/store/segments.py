@@ -3,7 +3,7 @@
 Layout of a cache root::
 
     zarr.json               the zarr v3 root group
-    manifest.json           what the cache holds (dflash_cache.manifest)
+    manifest.json           what the cache holds (dflash_cache.store.manifest)
     segments/<name>/        one zarr group per segment: features [T, W] (+ scales), input_ids [T],
                             loss_mask [T], offsets [n + 1], sample_ids [n]; one shard file per array
     commits/<name>.json     the segment's commit record: written last, atomically
@@ -29,9 +29,10 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from dflash_cache.codecs import TOKEN_ARRAYS, ArraySpec, codec_names, token_spec
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.jsonio import INT64_MAX, TMP_SUFFIX, inside, load_dataclass, read_json, write_json_atomic
+from dflash_cache.files import TMP_SUFFIX, inside, read_json, write_json_atomic
+from dflash_cache.store.codecs import TOKEN_ARRAYS, ArraySpec, codec_names, token_spec
+from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
 SEGMENTS_DIR = "segments"
 COMMITS_DIR = "commits"

@@ -4,12 +4,11 @@ All of this reads JSON, Parquet and zarr chunks only. `summarize` touches no fea
 `verify` decodes every chunk (checksums included) and cross-checks the records, the stored token
 arrays and the index, returning a list of problems that each name their segment. `verification`
 is `inspect --verify`: damage and incompleteness both fail it, and with `--repair` the damaged
-segments are un-committed (`dflash_cache.repair`) so that the next extract redoes exactly those.
+segments are un-committed (`dflash_cache.store.repair`) so that the next extract redoes exactly those.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,23 +17,13 @@ from typing import Any
 import numpy as np
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE
-from dflash_cache.reader import INDEX_FILE, CacheReader, read_parquet
-from dflash_cache.repair import uncommit
-from dflash_cache.segments import SegmentRecord, check_files, segment_name
+from dflash_cache.store.manifest import MANIFEST_FILE
+from dflash_cache.store.plan import PLAN_FILE, bucket_table, planned_segments
+from dflash_cache.store.reader import INDEX_FILE, CacheReader
+from dflash_cache.store.repair import uncommit
+from dflash_cache.store.segments import SegmentRecord, check_files, segment_name
 
 BF16_BYTES = 2
-
-
-def planned_segments(root: Path) -> list[tuple[int, int]]:
-    """(unit, batch) of every planned segment, from plan.parquet."""
-    if not os.path.lexists(root / PLAN_FILE):  # a link out of the root is refused below, not skipped
-        return []
-    t = read_parquet(root, PLAN_FILE)  # a received cache's file: opened with the reader's care
-    if not {"unit", "batch"} <= set(t.column_names):
-        raise CacheCorruptError(f"{PLAN_FILE} has no unit and batch columns; copy the cache again or re-run extract")
-    pairs = np.stack([t.column("unit").to_numpy(), t.column("batch").to_numpy()], axis=1)
-    return [tuple(p) for p in np.unique(pairs, axis=0).tolist()]
 
 
 def missing_units(reader: CacheReader) -> list[int]:
@@ -76,17 +65,6 @@ def summarize(reader: CacheReader) -> dict[str, Any]:
         "dataset": m.dataset_description,
         "tool_version": m.tool_version,
     }
-
-
-def bucket_table(bounds: list[int] | tuple[int, ...], counts: list[int], noun: str) -> list[str]:
-    """`  Bucket i [lo, hi):  count noun (pct%)` lines, the layout extract's plan print uses too."""
-    total = max(1, sum(counts))
-    width = len(str(max(bounds[-1], 1)))
-    lines = []
-    for i, lo in enumerate(bounds):
-        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
-        lines.append(f"  Bucket {i} [{lo:>{width}}, {hi}): {counts[i]:>6} {noun} ({100 * counts[i] / total:5.1f}%)")
-    return lines
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_cache import fp8
+from dflash_cache.store import fp8
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,7 +167,7 @@ def test_triton_on_cpu_without_interpreter_is_refused():
         """
         import os
         import torch
-        from dflash_cache import fp8
+        from dflash_cache.store import fp8
         x = torch.zeros(1, 64, dtype=torch.bfloat16)
         for env in ("0", "1"):  # unset, then changed after triton's import: both refused
             os.environ["TRITON_INTERPRET"] = env
@@ -192,7 +192,7 @@ def test_import_without_triton():
         import sys
         sys.modules["triton"] = None  # makes `import triton` raise ImportError
         import torch
-        from dflash_cache import fp8
+        from dflash_cache.store import fp8
         assert not fp8.triton_available()
         x = torch.randn(3, 128).to(torch.bfloat16)
         q, s = fp8.quantize_fp8(x, 2)
@@ -221,7 +221,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import json
     import torch
-    from dflash_cache import fp8
+    from dflash_cache.store import fp8
 
     def bits(t):
         return t.view(torch.int16)

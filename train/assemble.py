@@ -14,20 +14,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_cache.errors import UserError
+from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.job import check_context, open_data
+from dflash_cache.extract.run import parse_gpus
+from dflash_cache.extract.target import TargetDescription, TargetSpec, describe_target, load_target
 from dflash_cache.profiler import StageProfiler
-from dflash_cache.reader import CacheReader
-from extract.planning import DEFAULT_BUCKETS, PlanConfig
-from extract.prepare import check_context, open_data
-from extract.run import parse_gpus
-from extract.target import HiddenStateCapture, TargetDescription, TargetSpec, describe_target, load_target
-from train.cache_source import CacheSource, check_manifest
-from train.config import DrafterConfig
-from train.drafter import FrozenTargetHead
-from train.epochs import SourceConfig
-from train.live_source import LiveSource, live_sample_table
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.train.cache_source import CacheSource, check_manifest
+from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import FrozenTargetHead
+from dflash_cache.train.epoch_plan import SourceConfig
+from dflash_cache.train.live_source import LiveSource, live_sample_table
 
 if TYPE_CHECKING:
-    from train.trainer import TrainConfig
+    from dflash_cache.train.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, pr
     captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]
     tee = None
     if live.write_cache:
-        from train.tee import CacheTee
+        from dflash_cache.train.tee import CacheTee
 
         tee = CacheTee(out=live.write_cache, codec=live.write_codec, target=target, data=live.data,
                        limit=live.limit, dataset=dataset, scan=scan, table=table, source_config=source_config(cfg),

@@ -9,11 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
-from dflash_cache.inspect import describe_sample, summarize, verify
-from dflash_cache.manifest import MANIFEST_FILE, PLAN_FILE
-from dflash_cache.reader import INDEX_FILE, CacheReader
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
-from tests.dflash_cache._util import flip_byte
+from dflash_cache.store.manifest import MANIFEST_FILE
+from dflash_cache.store.plan import PLAN_FILE
+from dflash_cache.store.reader import INDEX_FILE, CacheReader
+from dflash_cache.store.report import describe_sample, summarize, verify
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
+from tests.dflash_cache.store._util import flip_byte
 
 KEYS = {"samples", "tokens", "segments", "codec", "layer_ids", "hidden_size", "bytes_on_disk", "bytes_per_token",
         "complete"}

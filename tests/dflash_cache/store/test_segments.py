@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.manifest import write_manifest
-from dflash_cache.reader import CacheReader
-from dflash_cache.segments import (
+from dflash_cache.store.manifest import write_manifest
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.segments import (
     COMMITS_DIR,
     MAX_SEGMENT_TOKENS,
     SEGMENTS_DIR,
@@ -22,7 +22,7 @@ from dflash_cache.segments import (
     remove_uncommitted,
     segment_dir,
 )
-from tests.dflash_cache._util import make_manifest, synthetic_cache, write_synthetic_segment
+from tests.dflash_cache.store._util import make_manifest, synthetic_cache, write_synthetic_segment
 
 NAME = "u000000-b00000"
 
@@ -294,7 +294,7 @@ def test_rewriting_a_segment_replaces_crash_garbage(tmp_path):
     m, [(rec, inp)] = synthetic_cache(tmp_path)
     garbage = tmp_path / SEGMENTS_DIR / NAME / "junk.bin"
     garbage.write_bytes(b"x" * 10)
-    from tests.dflash_cache._util import write_synthetic_segment
+    from tests.dflash_cache.store._util import write_synthetic_segment
 
     rec2, _ = write_synthetic_segment(tmp_path, m)
     assert not garbage.exists() and "junk.bin" not in rec2.files
@@ -303,7 +303,7 @@ def test_rewriting_a_segment_replaces_crash_garbage(tmp_path):
 
 def test_large_segment_is_split_into_several_shards(tmp_path, monkeypatch):
     """Shards are written concurrently; each round-trips, and losing any one is reported."""
-    import dflash_cache.segments as segments
+    import dflash_cache.store.segments as segments
 
     monkeypatch.setattr(segments, "CHUNK_BYTES", 2048)
     monkeypatch.setattr(segments, "SHARD_BYTES", 8192)

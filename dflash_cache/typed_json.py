@@ -1,92 +1,18 @@
-"""Atomic, durable JSON files, and careful reading of files that came from someone else.
+"""JSON checked field by field against the dataclass it should become.
 
-Everything the cache commits (manifest, segment records) goes through here, so a crash leaves
-either the old file, the new file, or an ignorable ``*.tmp`` — never a torn one.
-
-Caches get copied between machines and teams, so reading is defensive: paths are resolved and
-must stay inside the cache root (`inside`), only regular files are opened (`open_regular`: a FIFO
-would block forever), and JSON is checked field by field against the dataclass it should become
-(`load_dataclass`), so a string where a list belongs is an error rather than a list of characters.
+A cache's records come from disk that anyone may have edited, so a string where a list belongs
+must be an error naming the field, not a list of characters; integers are range-checked too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
 from dataclasses import MISSING, fields, is_dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, get_type_hints
+from typing import Any, get_type_hints
 
-from dflash_cache.errors import CacheCorruptError
-
-TMP_SUFFIX = ".tmp"
 INT64_MAX = (1 << 63) - 1
 MAX_NESTING = 16  # depth of free-form JSON (a manifest's `extra`) that later code may recurse into
 
 
-def fsync_path(path: Path) -> None:
-    """Make a file's data, or a directory's entries, durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def inside(root: Path, path: Path) -> Path:
-    """`path` resolved, or CacheCorruptError if it leaves `root` (symlinks included)."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise CacheCorruptError(f"cache path {path} points outside the cache root {root}; refusing to read it")
-    return resolved
-
-
-def open_regular(path: Path) -> BinaryIO:
-    """Open `path` for reading if it is a regular file; ValueError otherwise. The open does not
-    block (a FIFO would wait forever for a writer) and the type is checked on the opened file."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError(f"{path.name} is not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped after the stat above
-            raise ValueError(f"{path.name} is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_json(path: Path, *, max_bytes: int = 64 << 20) -> Any:
-    """Read a JSON file (regular files only), refusing absurd sizes before reading and nesting
-    too deep to parse. Raises ValueError or OSError; callers say which file it was."""
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
-            raise ValueError(f"{path.name} is {size} bytes, more than the {max_bytes} a record may hold")
-        data = f.read(max_bytes + 1)
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError(f"{path.name} is nested too deeply to be a valid record") from None
-
-
-# --- typed loading ----------------------------------------------------------------------------
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

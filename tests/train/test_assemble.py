@@ -1,4 +1,4 @@
-"""Building sources (train.sources): how --target-gpus maps onto devices and torchrun ranks."""
+"""Building sources (dflash_cache.train.assemble): how --target-gpus maps onto devices and torchrun ranks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from extract.target import TargetSpec, describe_target
-from train.sources import _drafter_and_head, target_devices
-from train.trainer import TrainConfig
+from dflash_cache.extract.target import TargetSpec, describe_target
+from dflash_cache.train.assemble import _drafter_and_head, target_devices
+from dflash_cache.train.trainer import TrainConfig
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import dflash_cache.reader as reader_mod
+import dflash_cache.store.reader as reader_mod
 from dflash_cache.errors import UserError
-from dflash_cache.reader import INDEX_FILE, CacheReader, build_index, write_index
-from dflash_cache.segments import SegmentRecord, read_records
-from tests.dflash_cache._util import many_segments, preempt_in, synthetic_cache, write_synthetic_segment
+from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, write_index
+from dflash_cache.store.segments import SegmentRecord, read_records
+from tests.dflash_cache.store._util import many_segments, preempt_in, synthetic_cache, write_synthetic_segment
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -182,7 +182,7 @@ def test_index_file_disagreeing_with_the_records_is_not_trusted(tmp_path, caplog
     _, written = synthetic_cache(tmp_path, "none", segments=2)
     _tampered_index(tmp_path, edit)
     r = CacheReader(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dflash_cache.reader"):
+    with caplog.at_level(logging.WARNING, logger="dflash_cache.store.reader"):
         assert r.index.equals(build_index(read_records(tmp_path)))
     message = f"{INDEX_FILE} disagrees with the commit records in column {column}"
     assert r.index_problem == message

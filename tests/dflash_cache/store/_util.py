@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_cache.codecs import get_codec, to_stored_numpy
-from dflash_cache.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
-from dflash_cache.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name, write_segment
+from dflash_cache.store.codecs import get_codec, to_stored_numpy
+from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name, write_segment
 
 VOCAB = 1000
 

@@ -1,0 +1,159 @@
+"""The plan a cache is made by, and its on-disk form, plan.parquet (one row per planned sample).
+
+A `Plan` is a list of `PlannedBatch`es: which dataset rows (in order) go into each future segment,
+named by (unit, batch). `dflash_cache.extract.planning` makes plans; this module is the only one
+that reads or writes plan.parquet, so extraction workers, the live tee and `inspect` need neither
+the dataset nor the planner to know what a cache should hold.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.files import write_bytes_atomic
+from dflash_cache.store.manifest import Manifest
+from dflash_cache.store.reader import read_parquet
+
+PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
+DEFAULT_BUCKETS = (0, 770, 1216, 1728, 2432, 3296)
+DEFAULT_TOKEN_BUDGET = 49152
+DEFAULT_MAX_ROWS = 64
+DEFAULT_UNIT_ROWS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    max_rows: int = DEFAULT_MAX_ROWS
+    unit_rows: int = DEFAULT_UNIT_ROWS
+    bucket_bounds: tuple[int, ...] = DEFAULT_BUCKETS
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise UserError(f"--token-budget must be positive, got {self.token_budget}")
+        if self.max_rows < 1:
+            raise UserError(f"--max-rows must be positive, got {self.max_rows}")
+        if self.unit_rows < 1:
+            raise UserError(f"--unit-rows must be positive, got {self.unit_rows}")
+        b = self.bucket_bounds
+        if not b or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise UserError(f"bucket bounds {list(b)} must start at 0 and increase")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBatch:
+    """One future segment: which dataset rows (global indices, in order) and its bucket."""
+
+    unit: int
+    batch: int
+    bucket: int
+    rows: np.ndarray  # int64 global row indices, sorted by length
+    lengths: np.ndarray  # int32 tokens per row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    config: PlanConfig
+    num_rows: int
+    batches: tuple[PlannedBatch, ...]
+
+    @property
+    def num_units(self) -> int:
+        return -(-self.num_rows // self.config.unit_rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.batches)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(b.rows) for b in self.batches)
+
+    def for_rank(self, rank: int, world: int) -> Iterator[PlannedBatch]:
+        """Whole units go to one rank (unit % world == rank) so each rank reads contiguous rows."""
+        return (b for b in self.batches if b.unit % world == rank)
+
+    def summary(self) -> str:
+        """The plan as printed at start: batch count, rows per batch, and the bucket table."""
+        rows = np.array([len(b.rows) for b in self.batches]) if self.batches else np.zeros(1)
+        lines = [f"Batches per epoch: {len(self.batches)} (min={rows.min()} max={rows.max()} avg={rows.mean():.1f})"]
+        buckets = np.asarray([b.bucket for b in self.batches], dtype=np.int64)
+        counts = np.bincount(buckets, minlength=len(self.config.bucket_bounds)).tolist()
+        lines += bucket_table(self.config.bucket_bounds, counts, "batches")
+        return "\n".join(lines)
+
+
+def bucket_table(bounds: list[int] | tuple[int, ...], counts: list[int], noun: str) -> list[str]:
+    """`  Bucket i [lo, hi):  count noun (pct%)` lines, the layout extract's plan print uses too."""
+    total = max(1, sum(counts))
+    width = len(str(max(bounds[-1], 1)))
+    lines = []
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
+        lines.append(f"  Bucket {i} [{lo:>{width}}, {hi}): {counts[i]:>6} {noun} ({100 * counts[i] / total:5.1f}%)")
+    return lines
+
+
+PLAN_COLUMNS = ("row", "unit", "batch", "bucket", "length")
+
+
+def plan_from_columns(config: PlanConfig, num_rows: int, row: np.ndarray, unit: np.ndarray, batch: np.ndarray,
+                      bucket: np.ndarray, length: np.ndarray) -> Plan:
+    """Rebuild a Plan from its flat per-sample columns (consecutive rows of one batch)."""
+    key = unit.astype(np.int64) << 32 | batch.astype(np.int64)
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, np.int64)
+    stops = np.r_[starts[1:], len(key)]
+    batches = tuple(
+        PlannedBatch(unit=int(unit[a]), batch=int(batch[a]), bucket=int(bucket[a]),
+                     rows=row[a:b].astype(np.int64), lengths=length[a:b].astype(np.int32))
+        for a, b in zip(starts, stops, strict=True)
+    )
+    return Plan(config=config, num_rows=num_rows, batches=batches)
+
+
+def write_plan_table(root: Path, plan: Plan) -> None:
+    """The plan, one row per sample in plan order, so workers and `inspect` need neither data nor planner."""
+    parts = {"row": [], "unit": [], "batch": [], "bucket": [], "length": []}
+    for b in plan.batches:
+        n = len(b.rows)
+        parts["row"].append(b.rows)
+        parts["unit"].append(np.full(n, b.unit, np.int32))
+        parts["batch"].append(np.full(n, b.batch, np.int32))
+        parts["bucket"].append(np.full(n, b.bucket, np.int16))
+        parts["length"].append(b.lengths)
+    table = pa.table({k: np.concatenate(v) for k, v in parts.items()})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    write_bytes_atomic(root / PLAN_FILE, sink.getvalue().to_pybytes())
+
+
+def read_plan(root: Path, manifest: Manifest) -> Plan:
+    """The plan a cache was made with, from plan.parquet and the manifest."""
+    t = read_parquet(root, PLAN_FILE)
+    p = manifest.plan
+    config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,
+                        bucket_bounds=tuple(p.bucket_bounds))
+    return plan_from_columns(config, p.num_rows, *(t.column(c).to_numpy() for c in PLAN_COLUMNS))
+
+
+def planned_segments(root: Path) -> list[tuple[int, int]]:
+    """(unit, batch) of every planned segment, from plan.parquet."""
+    if not os.path.lexists(root / PLAN_FILE):  # a link out of the root is refused below, not skipped
+        return []
+    t = read_parquet(root, PLAN_FILE)  # a received cache's file: opened with the reader's care
+    if not {"unit", "batch"} <= set(t.column_names):
+        raise CacheCorruptError(f"{PLAN_FILE} has no unit and batch columns; copy the cache again or re-run extract")
+    pairs = np.stack([t.column("unit").to_numpy(), t.column("batch").to_numpy()], axis=1)
+    return [tuple(p) for p in np.unique(pairs, axis=0).tolist()]

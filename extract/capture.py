@@ -1,0 +1,90 @@
+"""Capturing the target's selected layers, packed over real tokens as each layer finishes.
+
+Each selected layer's output is packed by a forward hook straight into its column block of the
+[T, n_layers * H] result, so no padded [B, L, n_layers * H] tensor ever exists.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from dflash_cache.extract.target import decoder_of
+
+
+def prebuilt_mask_ok(config) -> bool:
+    """Whether we may hand SDPA our own 4-D mask: SDPA attention and no sliding-window layers."""
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return impl == "sdpa" and all(t == "full_attention" for t in layer_types)
+
+
+def causal_padding_mask(attention: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool, True where query t may see key s: s <= t and s is a real token.
+
+    The same mask Hugging Face builds for right-padded SDPA batches, but made on the device
+    without looking at the data: HF's own path calls `.all()` on the 2-D mask, a host sync per
+    forward that leaves the GPU idle while the CPU catches up.
+    """
+    length = attention.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).tril_()
+    return causal[None, None] & attention.bool()[:, None, None, :]
+
+
+def run_backbone(decoder: nn.Module, input_ids: torch.Tensor, attention: torch.Tensor) -> None:
+    """The cut decoder stack on a right-padded batch (outputs are taken by hooks)."""
+    mask = causal_padding_mask(attention) if prebuilt_mask_ok(decoder.config) else attention
+    decoder(input_ids=input_ids, attention_mask=mask, use_cache=False)
+
+
+class HiddenStateCapture:
+    """Runs the cut target and returns the selected layers packed over real tokens.
+
+    `__call__(input_ids [B, L], attention_mask [B, L], gather [T])` returns bf16 [T, n*H] where
+    `gather` holds the flat indices b * L + t of the real tokens (built on the host, so packing
+    needs no `nonzero()` and no host synchronisation).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
+        self.decoder = decoder_of(model)
+        self.layer_ids = layer_ids
+        self.hidden_size = int(model.config.hidden_size)
+        if hasattr(self.decoder, "norm"):
+            self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
+        self._out: torch.Tensor | None = None
+        self._gather: torch.Tensor | None = None
+        self._busy = threading.Lock()  # the hooks read per-call state: one call at a time
+        self._hooks = [self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
+                       for col, layer_id in enumerate(layer_ids)]
+
+    def remove(self) -> None:
+        """Detach the hooks, leaving the model as it was (benchmarks reuse one model)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, col: int):
+        h = self.hidden_size
+
+        def pack(_module: nn.Module, _args: tuple, output) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output
+            assert self._out is not None and self._gather is not None
+            flat = hidden.reshape(-1, h).index_select(0, self._gather)
+            self._out[:, col * h : (col + 1) * h].copy_(flat)
+
+        return pack
+
+    @torch.no_grad()  # not inference_mode: the live source hands these features to autograd
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
+        n_tokens = gather.shape[0]
+        width = len(self.layer_ids) * self.hidden_size
+        with self._busy:
+            self._out = torch.empty(n_tokens, width, dtype=torch.bfloat16, device=input_ids.device)
+            self._gather = gather
+            try:
+                run_backbone(self.decoder, input_ids, attention_mask)
+                return self._out
+            finally:
+                self._out, self._gather = None, None
