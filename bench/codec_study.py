@@ -24,13 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_cache.extract.config import ExtractConfig  # noqa: E402
 from dflash_cache.extract.run import extract  # noqa: E402
 from dflash_cache.extract.target import TargetSpec, describe_target, load_target  # noqa: E402
+from dflash_cache.logs import setup_logging  # noqa: E402
 from dflash_cache.store.plan import PlanConfig  # noqa: E402
 from dflash_cache.store.reader import CacheReader  # noqa: E402
 from dflash_cache.store.report import summarize  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.export import drafter_from_export  # noqa: E402
+from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.speculative import evaluate, load_prompts  # noqa: E402
-from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 
 def relative_error(reader: CacheReader, reference: CacheReader) -> float:
@@ -54,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/dflash-codec-study")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging(logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

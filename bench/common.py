@@ -4,11 +4,11 @@ and the manifest of a synthetic cache."""
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
 import torch
 
+from dflash_cache.logs import setup_logging
 from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
 from dflash_cache.store.reader import write_index
 from dflash_cache.store.segments import read_records
@@ -24,7 +24,7 @@ def add_common_args(ap: argparse.ArgumentParser, out: str) -> None:
 
 def start_logging_and_device() -> torch.device:
     """Timestamped INFO logging, and the GPU when there is one."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -99,7 +99,8 @@ def time_forward(decoder, host_batches, device) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for h in host_batches:
-            run_backbone(decoder, h.input_ids.to(device, non_blocking=True), h.attention.to(device, non_blocking=True))
+            run_backbone(decoder, h.forward.input_ids.to(device, non_blocking=True),
+                         h.forward.attention.to(device, non_blocking=True))
     sync(device)
     return time.perf_counter() - t0
 

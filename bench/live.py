@@ -52,7 +52,8 @@ from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.live_source import LiveSource, live_sample_table  # noqa: E402
-from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.train.run_config import TrainConfig  # noqa: E402
+from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.memory import GIB, step_memory  # noqa: E402
-from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.train.run_config import TrainConfig  # noqa: E402
+from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 POINTS = ((12288, 1024), (12288, 2048), (24576, 1024), (32768, 1536))  # (token budget, anchors per batch)
 

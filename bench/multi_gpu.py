@@ -1,13 +1,17 @@
 """Multi-GPU benchmark (several GPUs of one host), run through the CLI exactly as a user would.
 
-1. `extract --gpus 0` against `extract --gpus all` (N worker processes) on the same data:
+Each stage can run on its own (`--stage extract|train|live`, reusing --out and --json), so each fits
+one 10-minute call of a lent GPU machine; `train` and `live` need the cache `extract` made.
+
+1. `extract --gpus 0` against `extract --gpus all` (N launched ranks) on the same data:
    throughput of the extraction itself (each rank logs its tokens and seconds, model loading
    excluded; the N-GPU rate is all tokens over the slowest rank's time), the two caches' sample
    sets compared, both verified. Goal: >= 0.95 x N.
 2. `train` from the N-GPU cache in one process against `torchrun --nproc-per-node N` (DDP): the
    last logged window's tokens/s (all ranks), after the compile-bearing first window. Goal >= 0.9 x N.
 3. `train --live` with the target on GPUs 0..N-2 and the drafter on GPU N-1, against offline
-   (the N-GPU extraction's time plus epochs x tokens at the torchrun training rate).
+   (the N-GPU extraction's time plus epochs x tokens at the torchrun training rate), with its
+   wall time to the last step (start-up and compilation included).
 
 A Qwen3-8B-shaped target with random bf16 weights is saved to --out first (not timed), with
 synthetic rows over the default length buckets. `--small` uses a small Qwen3 and 2 CPU processes
@@ -38,6 +42,7 @@ from dflash_cache.store.report import verify  # noqa: E402
 
 RANK_LINE = re.compile(r"rank (\d+): \d+ segments, (\d+) tokens in ([\d.]+)s")
 CLI = [sys.executable, "-m", "dflash_cache.cli"]
+STAGES = ("extract", "train", "live")
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -70,33 +75,26 @@ def last_rate(run_dir: Path) -> float:
     return float(rows[-1]["tokens_per_s"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=800_000)
-    ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
-    add_common_args(ap, "/tmp/dflash-bench-multi")
-    args = ap.parse_args()
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    n = 2 if args.small else torch.cuda.device_count()
-    if n < 2:
-        sys.exit("needs at least 2 CUDA GPUs (or --small for a CPU check)")
-
-    config = qwen3_8b_config(args.small)
+def prepare(out: Path, small: bool, tokens: int) -> tuple[Path, Path]:
+    """The random-weight target and the synthetic rows, written once per --out (not timed)."""
+    config = qwen3_8b_config(small)
     model_dir, data = out / "model", out / "data.parquet"
-    model = build_model(config, torch.device("cpu" if args.small else "cuda"))
-    model.save_pretrained(model_dir)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # this process's cached blocks would sit on GPU 0 under the workers
-    pq.write_table(synthetic_rows(args.tokens, config.vocab_size), data)
-    results: dict = {"gpus": n, "device": "cpu" if args.small else torch.cuda.get_device_name(0)}
+    if not (model_dir / "config.json").is_file():
+        model = build_model(config, torch.device("cpu" if small else "cuda"))
+        model.save_pretrained(model_dir)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # this process's cached blocks would sit on GPU 0 under the ranks
+    if not data.is_file():
+        pq.write_table(synthetic_rows(tokens, config.vocab_size), data)
+    return model_dir, data
 
-    # 1. extraction, one GPU against all of them
+
+def extract_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool) -> dict:
+    """`extract --gpus 0` against `extract --gpus all` on the same data, both caches checked."""
     common = ["extract", "--model", str(model_dir), "--data", str(data), "--codec", "fp8", "--no-progress"]
-    if args.small:
-        common += ["--token-budget", "8192", "--max-rows", "8", "--unit-rows", "64"]
+    if small:
+        common += ["--token-budget", "8192", "--max-rows", "8"]
         one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "cpu"], out / "extract-1.log")
         many = run(torchrun(n) + common + ["--out", str(out / "cache-n")], out / "extract-n.log")
     else:
@@ -106,49 +104,99 @@ def main() -> None:
     readers = [CacheReader(out / "cache-1"), CacheReader(out / "cache-n")]
     same = [sorted(r.index.column("sample_id").to_pylist()) for r in readers]
     problems = [verify(r) for r in readers]
-    results["extract"] = {"one_tok_s": rate_1, "all_tok_s": rate_n, "ranks": ranks, "scaling": rate_n / rate_1 / n,
-                          "same_samples": same[0] == same[1], "verify_problems": sum(len(p) for p in problems)}
-    t_extract = readers[1].num_tokens / rate_n
+    return {"one_tok_s": rate_1, "all_tok_s": rate_n, "ranks": ranks, "scaling": rate_n / rate_1 / n,
+            "same_samples": same[0] == same[1], "verify_problems": sum(len(p) for p in problems),
+            "tokens": readers[1].num_tokens, "complete": all(r.complete for r in readers)}
 
-    # 2. training from the cache, one process against torchrun
-    train = ["train", "--cache", str(out / "cache-n"), "--target", str(model_dir), "--max-steps", str(args.steps),
-             "--log-every", str(max(1, args.steps // 3)), "--no-progress"]
-    if args.small:
-        train += ["--device", "cpu", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "16",
-                  "--token-budget", "2048"]
+
+def train_args(small: bool, steps: int) -> list[str]:
+    args = ["--max-steps", str(steps), "--log-every", str(max(1, steps // 3)), "--no-progress"]
+    if small:
+        args += ["--device", "cpu", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "16",
+                 "--token-budget", "2048"]
+    return args
+
+
+def train_stage(out: Path, model_dir: Path, n: int, small: bool, steps: int) -> dict:
+    """Training from the N-GPU cache in one process against torchrun with N processes (DDP)."""
+    if not (out / "cache-n" / "index.parquet").is_file():
+        sys.exit(f"no cache at {out / 'cache-n'}: run --stage extract first (same --out)")
+    train = ["train", "--cache", str(out / "cache-n"), "--target", str(model_dir), *train_args(small, steps)]
+    for name in ("train-1", "train-n"):
+        shutil.rmtree(out / name, ignore_errors=True)
     run(CLI + train + ["--out", str(out / "train-1")], out / "train-1.log")
     run(torchrun(n) + train + ["--out", str(out / "train-n")], out / "train-n.log")
     train_1, train_n = last_rate(out / "train-1"), last_rate(out / "train-n")
-    results["train"] = {"one_tok_s": train_1, "all_tok_s": train_n, "scaling": train_n / train_1 / n}
+    return {"one_tok_s": train_1, "all_tok_s": train_n, "scaling": train_n / train_1 / n}
 
-    # 3. live with split target and drafter GPUs, against offline
+
+def live_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool, steps: int) -> dict:
+    """`train --live` with the target on GPUs 0..N-2 and the drafter on GPU N-1."""
+    shutil.rmtree(out / "live", ignore_errors=True)
     live = ["train", "--live", "--target", str(model_dir), "--data", str(data), "--out", str(out / "live"),
-            "--max-steps", str(args.steps), "--log-every", str(max(1, args.steps // 3)), "--no-progress",
-            "--max-anchors", "2048", "--queue-depth", "16"]
-    if args.small:
-        live += ["--target-gpus", "cpu", "--device", "cpu", "--block-size", "8", "--draft-layers", "1",
-                 "--num-anchors", "16", "--token-budget", "2048"]
+            *train_args(small, steps), "--queue-depth", "16"]
+    if small:
+        live += ["--target-gpus", "cpu"]
     else:
         live += ["--target-gpus", ",".join(str(i) for i in range(n - 1)), "--device", f"cuda:{n - 1}"]
+    t0 = time.perf_counter()
     run(CLI + live, out / "live.log")
-    live_rate = last_rate(out / "live")
-    tokens = readers[1].num_tokens
-    results["live"] = {"tok_s": live_rate, **{f"{e}_epochs": {"live_s": e * tokens / live_rate,
-                                                                "offline_s": t_extract + e * tokens / train_n}
-                                               for e in (1, 3)}}
+    return {"tok_s": last_rate(out / "live"), "wall_s": time.perf_counter() - t0, "steps": steps}
 
-    e, t = results["extract"], results["train"]
-    print(f"\n{results['device']} x {n}, {tokens:,} tokens")
+
+def report(results: dict) -> None:
+    n = results["gpus"]
+    print(f"\n{results['device']} x {n}")
     print("| step | 1 GPU tok/s | N GPUs tok/s | scaling (N GPUs / (N x 1 GPU)) |\n|---|---:|---:|---:|")
-    print(f"| extract fp8 | {e['one_tok_s']:,.0f} | {e['all_tok_s']:,.0f} | {e['scaling']:.3f} |")
-    print(f"| train from the cache | {t['one_tok_s']:,.0f} | {t['all_tok_s']:,.0f} | {t['scaling']:.3f} |")
-    print(f"extract: same sample set {e['same_samples']}, verify problems {e['verify_problems']}")
-    print(f"live ({n - 1} target GPUs, 1 drafter GPU): {live_rate:,.0f} tok/s")
-    for ep in (1, 3):
-        r = results["live"][f"{ep}_epochs"]
-        print(f"  {ep} epoch(s): live {r['live_s']:.1f}s, offline (extract on {n} + train on {n}) {r['offline_s']:.1f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    for key, name in (("extract", "extract fp8"), ("train", "train from the cache")):
+        if key in results:
+            r = results[key]
+            print(f"| {name} | {r['one_tok_s']:,.0f} | {r['all_tok_s']:,.0f} | {r['scaling']:.3f} |")
+    if "extract" in results:
+        e = results["extract"]
+        print(f"extract: {e['tokens']:,} tokens, same sample set {e['same_samples']}, complete {e['complete']}, "
+              f"verify problems {e['verify_problems']}")
+    if "live" in results:
+        live = results["live"]
+        print(f"live ({n - 1} target GPUs, 1 drafter GPU): {live['tok_s']:,.0f} tok/s, "
+              f"{live['steps']} steps in {live['wall_s']:.0f}s")
+        if "extract" in results and "train" in results:
+            tokens = results["extract"]["tokens"]
+            t_extract = tokens / results["extract"]["all_tok_s"]
+            for ep in (1, 3):
+                print(f"  {ep} epoch(s): live {ep * tokens / live['tok_s']:.1f}s, offline (extract on {n} + "
+                      f"train on {n}) {t_extract + ep * tokens / results['train']['all_tok_s']:.1f}s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=800_000)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
+    ap.add_argument("--stage", choices=["all", *STAGES], default="all",
+                    help="run one stage (each fits one 10-minute call; later stages reuse --out and --json)")
+    add_common_args(ap, "/tmp/dflash-bench-multi")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.stage in ("all", "extract"):
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    n = 2 if args.small else torch.cuda.device_count()
+    if n < 2:
+        sys.exit("needs at least 2 CUDA GPUs (or --small for a CPU check)")
+    json_path = Path(args.json) if args.json else None
+    results = json.loads(json_path.read_text()) if json_path and json_path.is_file() and args.stage != "all" else {}
+    results.update(gpus=n, device="cpu" if args.small else torch.cuda.get_device_name(0))
+    model_dir, data = prepare(out, args.small, args.tokens)
+    stages = STAGES if args.stage == "all" else (args.stage,)
+    if "extract" in stages or not (out / "cache-n" / "index.parquet").is_file():
+        results["extract"] = extract_stage(out, model_dir, data, n, args.small)
+    if "train" in stages:
+        results["train"] = train_stage(out, model_dir, n, args.small, args.steps)
+    if "live" in stages:
+        results["live"] = live_stage(out, model_dir, data, n, args.small, args.steps)
+    report(results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -42,15 +42,19 @@ from bench.common import (  # noqa: E402
     start_logging_and_device,
 )
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.store.codecs import get_codec, to_stored_numpy  # noqa: E402
+from dflash_cache.store.batch import HostBatch  # noqa: E402
+from dflash_cache.store.codecs import get_codec  # noqa: E402
 from dflash_cache.store.manifest import PlanParams  # noqa: E402
+from dflash_cache.store.plan import PlannedBatch  # noqa: E402
 from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, write_segment  # noqa: E402
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
+from dflash_cache.store.writer import commit_segment  # noqa: E402
 from dflash_cache.train.assemble import source_config  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
-from dflash_cache.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dflash_cache.train.run_config import TrainConfig  # noqa: E402
+from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)
 
@@ -76,13 +80,12 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
         n = min(per_segment, n_seq - s * per_segment)
         t = n * seq
         feats = torch.randn(t, len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
-        arrays = to_stored_numpy({k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()})
-        mask = np.ones(t, np.uint8)
-        for i in range(n):
-            mask[i * seq : i * seq + seq // 10] = 0
-        write_segment(root, unit=0, batch=s, bucket=0, rank=0, feature_arrays=arrays, feature_specs=specs,
-                      input_ids=rng.integers(0, vocab, size=t).astype(np.int32), loss_mask=mask,
-                      lengths=np.full(n, seq), sample_ids=np.arange(s * per_segment, s * per_segment + n))
+        encoded = {k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()}
+        mask = np.r_[np.zeros(seq // 10, np.uint8), np.ones(seq - seq // 10, np.uint8)]
+        rows = np.arange(s * per_segment, s * per_segment + n)
+        packed = HostBatch.pack([rng.integers(0, vocab, size=seq) for _ in range(n)], [mask] * n, rows)
+        planned = PlannedBatch(unit=0, batch=s, bucket=0, rows=rows, lengths=np.full(n, seq, np.int32))
+        commit_segment(root, planned, packed, encoded, specs=specs, rank=0)
     commit_synthetic_manifest(root, codec=codec, layer_ids=LAYER_IDS, hidden=hidden, vocab=vocab, plan=PlanParams(
         unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
         overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,

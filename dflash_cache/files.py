@@ -16,6 +16,9 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from dflash_cache.errors import CacheCorruptError
 
 TMP_SUFFIX = ".tmp"
@@ -42,6 +45,13 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def write_parquet_atomic(path: Path, table: pa.Table) -> None:
+    """A table as one zstd-compressed Parquet file, replaced atomically (plan, index, demo rows)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    write_bytes_atomic(path, sink.getvalue().to_pybytes())
 
 
 def inside(root: Path, path: Path) -> Path:
@@ -80,3 +90,12 @@ def read_json(path: Path, *, max_bytes: int = 64 << 20) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError(f"{path.name} is nested too deeply to be a valid record") from None
+
+
+def hash_ends(h: Any, path: Path, size: int, span: int = 1 << 20) -> None:
+    """Feed a file's first and last `span` bytes into hasher `h`: how dataset and weight files are
+    fingerprinted without reading gigabytes (their names and sizes are hashed by the caller)."""
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        f.seek(max(0, size - span))
+        h.update(f.read(span))

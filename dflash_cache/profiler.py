@@ -3,7 +3,8 @@
 Host stages are timed with `perf_counter`. Device stages record a pair of CUDA events and are
 resolved lazily: an event pair is only read once `query()` says both have completed, so timing
 adds no host synchronisation to the hot path. Every `interval` seconds `maybe_report` logs each
-stage's average and max wall time and the token rate since the last report.
+stage's average and max wall time and the token rate since the last report. A profiler with no
+interval is off: it reads no clock and takes no lock, so the hot path may always call it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from dflash_cache.errors import UserError
 
 log = logging.getLogger(__name__)
 ENV_VAR = "DFLASH_PROFILE_INTERVAL"
+INTERVAL_HELP = f"Seconds between stage-timing reports (or {ENV_VAR})."
 
 
 def interval_from_env(value: float | None) -> float | None:
@@ -60,13 +62,21 @@ class _Stat:
 
 @dataclass
 class StageProfiler:
+    """Per-stage times and a token rate, shared by the threads of one rank: spans, tokens and reports
+    may come from any thread. `clock` is the host timer, injectable so that tests can drive time."""
+
     interval: float | None = None
     prefix: str = ""
+    clock: Callable[[], float] = time.perf_counter
     _stats: dict[str, _Stat] = field(default_factory=lambda: defaultdict(_Stat))
     _pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _tokens: int = 0
-    _last: float = field(default_factory=time.perf_counter)
+    _last: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.enabled:  # the first report covers the time since construction
+            self._last = self.clock()
 
     @property
     def enabled(self) -> bool:
@@ -74,15 +84,15 @@ class StageProfiler:
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
-        """Host wall time of the block."""
+        """Host wall time of the block (counted also when it raises)."""
         if not self.enabled:
             yield
             return
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - t0)
+            self.add(name, self.clock() - t0)
 
     @contextmanager
     def device_span(self, name: str, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
@@ -101,14 +111,19 @@ class StageProfiler:
                 self._pending.append((name, start, end))
 
     def add(self, name: str, seconds: float) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             self._stats[name].add(seconds)
 
     def add_tokens(self, n: int) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             self._tokens += n
 
     def _resolve(self) -> None:
+        """Count the device spans whose events have completed; the others wait for a later report."""
         still = []
         for name, start, end in self._pending:
             if end.query():
@@ -118,15 +133,21 @@ class StageProfiler:
         self._pending = still
 
     def maybe_report(self, *, force: bool = False) -> str | None:
+        """Log and return a report of everything recorded since the last one, once `interval` seconds
+        have passed since it (or now, if `force`); None otherwise. Each report starts a new interval."""
         if not self.enabled:
             return None
-        now = time.perf_counter()
-        if not force and now - self._last < self.interval:
-            return None
+        if not force and self.clock() - self._last < self.interval:
+            return None  # the common case, decided without the lock
         with self._lock:
+            now = self.clock()
+            elapsed = now - self._last
+            if not force and elapsed < self.interval:
+                return None  # another thread reported in the meantime
             self._resolve()
-            elapsed, self._last = now - self._last, now
-            lines = [f"{self.prefix}profile over {elapsed:.1f}s: {self._tokens / elapsed:,.0f} tok/s"]
+            self._last = now
+            rate = self._tokens / elapsed if elapsed > 0 else 0.0
+            lines = [f"{self.prefix}profile over {elapsed:.1f}s: {rate:,.0f} tok/s"]
             for name in sorted(self._stats):
                 s = self._stats[name]
                 lines.append(

@@ -68,6 +68,10 @@ def _load_value(hint: Any, value: Any, what: str, limits: tuple[int, int], bound
         if not isinstance(value, dict) or nesting_depth(value) > MAX_NESTING:
             raise ValueError(f"{what} must be an object nested at most {MAX_NESTING} deep")
         return value
+    if hint == list[dict[str, Any]]:
+        if not isinstance(value, list):
+            raise ValueError(f"{what} must be a list of objects, not {_short(value)}")
+        return [_load_value(dict[str, Any], v, f"{what}[{i}]", limits, bounds) for i, v in enumerate(value)]
     raise TypeError(f"no JSON loader for {hint}")  # a new field type: a bug here, not bad input
 
 

@@ -1,45 +1,36 @@
-"""The extraction job's configuration: one frozen dataclass, serialisable for worker processes."""
+"""The extraction job's configuration: one frozen dataclass whose fields are the `extract` options."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from dflash_cache.errors import UserError
+from dflash_cache.extract.dataset import OVERLONG_POLICIES
 from dflash_cache.extract.target import TargetSpec
-from dflash_cache.store.codecs import get_codec
+from dflash_cache.options import check_options, option
+from dflash_cache.profiler import INTERVAL_HELP
+from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.plan import PlanConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
+    """One extraction job; its fields (and those of `target` and `plan`) are `dflash-cache extract`'s options."""
+
     target: TargetSpec
-    data: str
-    out: str
-    codec: str = "bf16"
-    limit: int | None = None
-    max_len: int | None = None
-    overlong: str = "truncate"
+    data: str = option(help="HF datasets dir, Parquet file/dir, JSONL file/dir, or 'demo'.")
+    out: str = option(path="dir", help="Cache directory to create or resume.")
+    codec: str = option("bf16", choices=tuple(CODECS), help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
+                                                            "per-token scales (~2.4x smaller).")
+    limit: int | None = option(None, min=1, help="Use only the first N rows.")
+    max_len: int | None = option(None, min=1, help="Longest row kept; see --overlong.")
+    overlong: str = option("truncate", choices=OVERLONG_POLICIES,
+                           help="What --max-len does to longer rows (both are counted and reported).")
     plan: PlanConfig = field(default_factory=PlanConfig)
-    overwrite: bool = False
-    writers: int = 4          # threads compressing and writing segments
-    prefetch: int = 2         # host batches read ahead of the forward
-    profile_interval: float | None = None
-    progress: bool = True
+    overwrite: bool = option(False, help="Delete an existing cache at --out and start over.")
+    writers: int = option(4, min=1, help="Threads compressing and writing segments.")
+    prefetch: int = option(2, min=1, help="Batches read ahead of the forward.")
+    profile_interval: float | None = option(None, min=0, min_open=True, help=INTERVAL_HELP)
+    progress: bool = option(True, help="Hide the progress bar.")
 
     def __post_init__(self) -> None:
-        get_codec(self.codec)
-        if self.writers < 1 or self.prefetch < 1:
-            raise UserError("--writers and --prefetch must be at least 1")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ExtractConfig:
-        d = json.loads(text)
-        t = d.pop("target")
-        t["layers"] = tuple(t["layers"]) if t["layers"] else None
-        p = d.pop("plan")
-        p["bucket_bounds"] = tuple(p["bucket_bounds"])
-        return cls(target=TargetSpec(**t), plan=PlanConfig(**p), **d)
+        check_options(self)

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.dataset_formats import ArrowSource, Source, open_source
+from dflash_cache.files import hash_ends
 
 __all__ = ["DatasetScan", "Row", "TokenizedDataset", "from_table", "open_dataset"]
 
@@ -119,10 +120,8 @@ class TokenizedDataset:
         for path in self._source.files:
             size = path.stat().st_size
             h.update(f"{self._source.rel_name(path)}\0{size}\0".encode())
-            with open(path, "rb") as fh:
-                part = hashlib.sha256(fh.read(1 << 20))
-                fh.seek(max(size - (1 << 20), 0))
-                part.update(fh.read(1 << 20))
+            part = hashlib.sha256()
+            hash_ends(part, path, size)
             h.update(part.digest())
         h.update(f"limit={self._limit}".encode())
         return h.hexdigest()

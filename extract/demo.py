@@ -19,7 +19,6 @@ import functools
 import hashlib
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +30,8 @@ import torch
 from dflash_cache.errors import UserError
 from dflash_cache.extract.target import weights_fingerprint
 from dflash_cache.extract.tiny import TINY, TINY_DIR, TINY_PROMPTS_FILE, build_tiny_target
-from dflash_cache.files import write_bytes_atomic
+from dflash_cache.files import write_parquet_atomic
+from dflash_cache.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,7 @@ def greedy_generate(model, prompts: torch.Tensor, attention: torch.Tensor, new_t
 def write_demo_rows(table: pa.Table, path: Path) -> None:
     """The rows as Parquet, tagged with what they were made from, written atomically."""
     meta = {k.encode(): v.encode() for k, v in provenance().items()}
-    sink = pa.BufferOutputStream()
-    pq.write_table(table.replace_schema_metadata(meta), sink, compression="zstd")
-    write_bytes_atomic(path, sink.getvalue().to_pybytes())
+    write_parquet_atomic(path, table.replace_schema_metadata(meta))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Rebuild extract/tiny_target/demo_rows.parquet (minutes of CPU).")
     ap.add_argument("--out", type=Path, default=TINY_DIR / DEMO_ROWS_FILE, help="where to write the rows")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     t0 = time.perf_counter()
     log.info("generating %d demo rows with the tiny target on the CPU", NUM_SAMPLES)
     table = generate_demo_table()

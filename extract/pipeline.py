@@ -1,9 +1,11 @@
 """The overlapped extraction pipeline of one rank.
 
-    reader thread    dataset rows -> padded ids, mask, gather index (host; pinned on CUDA)
+    reader thread    dataset rows -> forward inputs: padded ids, mask, gather index (host; pinned on
+                     CUDA), and the packed host batch the segment stores
     main thread      H2D -> cut target forward with packing hooks -> codec encode (fp8 on GPU)
                      -> D2H into pinned buffers on a side stream (no host sync)
     writer threads   wait for the copy's event -> compress + write the segment -> commit
+                     (`dflash_cache.store.writer.commit_segment`, as the live tee does)
 
 Stages are joined by bounded queues (the reader's queue, a semaphore on in-flight segments), so
 memory stays bounded and a slow stage back-pressures the ones before it. The main thread never
@@ -12,7 +14,7 @@ waits on the GPU: only writer threads synchronise, each on its own batch's event
 
 from __future__ import annotations
 
-import errno
+import functools
 import logging
 import queue
 import threading
@@ -26,51 +28,59 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_cache.errors import UserError
 from dflash_cache.extract.capture import HiddenStateCapture
 from dflash_cache.extract.dataset import Row, TokenizedDataset
+from dflash_cache.producer import Producer
 from dflash_cache.profiler import StageProfiler
-from dflash_cache.store.codecs import ArraySpec, get_codec, to_stored_numpy
+from dflash_cache.store.batch import HostBatch
+from dflash_cache.store.codecs import ArraySpec, get_codec
 from dflash_cache.store.plan import PlannedBatch
-from dflash_cache.store.segments import SegmentRecord, write_segment
+from dflash_cache.store.segments import SegmentRecord
+from dflash_cache.store.writer import commit_segment, disk_error
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class HostBatch:
-    """A planned batch read from the dataset, laid out for the forward and for the segment."""
+@dataclass(frozen=True)
+class ForwardInputs:
+    """Rows laid out for the target's forward: right-padded ids, their attention mask, and the flat
+    indices b * L + t of the real tokens (which the capture packs by). Host tensors, pinned on CUDA."""
+
+    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
+    attention: torch.Tensor  # int64 [B, L]
+    gather: torch.Tensor     # int64 [T]
+
+    @classmethod
+    def of_rows(cls, input_ids: list[np.ndarray], pin: bool) -> ForwardInputs:
+        lengths = [len(ids) for ids in input_ids]
+        ids = np.zeros((len(input_ids), max(lengths)), dtype=np.int64)
+        attention = np.zeros_like(ids)
+        for i, (row, n) in enumerate(zip(input_ids, lengths, strict=True)):
+            ids[i, :n] = row
+            attention[i, :n] = 1
+        tensors = [torch.from_numpy(a) for a in (ids, attention, np.flatnonzero(attention.reshape(-1)))]
+        if pin:
+            tensors = [t.pin_memory() for t in tensors]
+        return cls(*tensors)
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention, gather) copied to `device` without waiting: the capture's arguments."""
+        return tuple(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention, self.gather))
+
+
+@dataclass(frozen=True)
+class ExtractBatch:
+    """A planned batch read from the dataset: laid out for the forward, and packed for its segment."""
 
     planned: PlannedBatch
-    input_ids: torch.Tensor   # int64 [B, L], right-padded with 0
-    attention: torch.Tensor   # int64 [B, L]
-    gather: torch.Tensor      # int64 [T], flat indices of real tokens
-    packed_ids: np.ndarray    # int32 [T]
-    packed_mask: np.ndarray   # uint8 [T]
-    lengths: np.ndarray       # int64 [n]
+    forward: ForwardInputs
+    packed: HostBatch
 
 
-def layout_batch(planned: PlannedBatch, rows: list[Row], pin: bool) -> HostBatch:
-    lengths = np.array([len(r.input_ids) for r in rows], dtype=np.int64)
-    b, width = len(rows), int(lengths.max())
-    ids = np.zeros((b, width), dtype=np.int64)
-    attention = np.zeros((b, width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids[i, : len(r.input_ids)] = r.input_ids
-        attention[i, : len(r.input_ids)] = 1
-    gather = np.flatnonzero(attention.reshape(-1))
-    tensors = [torch.from_numpy(a) for a in (ids, attention, gather)]
-    if pin:
-        tensors = [t.pin_memory() for t in tensors]
-    return HostBatch(
-        planned=planned,
-        input_ids=tensors[0],
-        attention=tensors[1],
-        gather=tensors[2],
-        packed_ids=np.concatenate([r.input_ids for r in rows]).astype(np.int32),
-        packed_mask=np.concatenate([r.loss_mask for r in rows]).astype(np.uint8),
-        lengths=lengths,
-    )
+def layout_batch(planned: PlannedBatch, rows: list[Row], pin: bool) -> ExtractBatch:
+    ids = [r.input_ids for r in rows]
+    return ExtractBatch(planned, ForwardInputs.of_rows(ids, pin),
+                        HostBatch.pack(ids, [r.loss_mask for r in rows], planned.rows))
 
 
 _TORCH_DTYPES = {np.dtype(np.uint16): torch.int16, np.dtype(np.uint8): torch.uint8,
@@ -98,68 +108,20 @@ class PinnedSlots:
         self._free.put(slot)
 
 
-class _Failure:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class BatchReader:
-    """Background thread reading planned batches in order; one unit's rows are cached at a time."""
-
-    def __init__(self, dataset: TokenizedDataset, batches: list[PlannedBatch], *, unit_rows: int,
-                 max_len: int | None, overlong: str, depth: int, pin: bool, profiler: StageProfiler) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._args = (dataset, batches, unit_rows, max_len, overlong, pin, profiler)
-        self._thread = threading.Thread(target=self._run, name="dflash-reader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        dataset, batches, unit_rows, max_len, overlong, pin, profiler = self._args
-        try:
-            unit, rows_by_index = -1, {}
-            for planned in batches:
-                with profiler.span("loader.read_rows"):
-                    if planned.unit != unit:
-                        unit = planned.unit
-                        start = unit * unit_rows
-                        stop = min(dataset.num_rows, start + unit_rows)
-                        rows = dataset.read_rows(start, stop, max_len=max_len, overlong=overlong)
-                        rows_by_index = {r.index: r for r in rows}
-                    host = layout_batch(planned, [rows_by_index[int(i)] for i in planned.rows], pin)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(host, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._queue.put(None)
-        except BaseException as e:  # handed to the main thread, which re-raises it
-            self._queue.put(_Failure(e))
-
-    def __iter__(self) -> Iterator[HostBatch]:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, _Failure):
-                raise item.exc
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def disk_error(root: Path, exc: OSError, *, creating: bool = False) -> UserError:
-    """One line for a write that failed: disk full, or the path (permissions, read-only, ...)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        doing, kept = ("creating the cache at", "nothing was left behind") if creating else \
-            ("writing to", "committed segments are kept")
-        return UserError(f"disk full while {doing} {root}; free space and run the same command again ({kept})")
-    what = "create the cache at" if creating else "write to"
-    return UserError(f"cannot {what} {root}: {exc.strerror or exc}; check the path and permissions")
+def read_batches(dataset: TokenizedDataset, batches: list[PlannedBatch], *, unit_rows: int, max_len: int | None,
+                 overlong: str, pin: bool, profiler: StageProfiler) -> Iterator[ExtractBatch]:
+    """Planned batches laid out in order (on the reader thread); one unit's rows are cached at a time."""
+    unit, rows_by_index = -1, {}
+    for planned in batches:
+        with profiler.span("loader.read_rows"):
+            if planned.unit != unit:
+                unit = planned.unit
+                start = unit * unit_rows
+                stop = min(dataset.num_rows, start + unit_rows)
+                rows = dataset.read_rows(start, stop, max_len=max_len, overlong=overlong)
+                rows_by_index = {r.index: r for r in rows}
+            host = layout_batch(planned, [rows_by_index[int(i)] for i in planned.rows], pin)
+        yield host
 
 
 @dataclass
@@ -205,8 +167,10 @@ class RankExtractor:
         self.prepare(batches)
         bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
                    desc=f"extract rank {self.rank}", disable=not self.progress)
-        reader = BatchReader(self.dataset, batches, unit_rows=self.unit_rows, max_len=self.max_len,
-                             overlong=self.overlong, depth=self.prefetch, pin=self.cuda, profiler=self.profiler)
+        reader = Producer(functools.partial(read_batches, self.dataset, batches, unit_rows=self.unit_rows,
+                                            max_len=self.max_len, overlong=self.overlong, pin=self.cuda,
+                                            profiler=self.profiler),
+                          depth=self.prefetch, name="dflash-reader")
         in_flight = threading.BoundedSemaphore(self.writers + 2)
         futures: list[Future] = []  # in flight; finished ones are dropped as they are checked
         submitted = 0
@@ -214,7 +178,7 @@ class RankExtractor:
 
         def done(fut: Future, n_tokens: int) -> None:
             in_flight.release()
-            if fut.exception() is None:
+            if not fut.cancelled() and fut.exception() is None:
                 with bar_lock:
                     bar.update(n_tokens)
 
@@ -249,16 +213,14 @@ class RankExtractor:
         while futures and futures[0].done():
             futures.pop(0).result()  # raises the writer's exception, if any
 
-    def _forward(self, host: HostBatch) -> tuple[dict[str, torch.Tensor], tuple | None]:
+    def _forward(self, host: ExtractBatch) -> tuple[dict[str, torch.Tensor], tuple | None]:
         """Enqueue H2D, forward, pack, encode and D2H; returns host arrays and, on CUDA, the copy's
         event and the pinned slot holding them."""
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         with self.profiler.device_span("target.h2d", stream):
-            ids = host.input_ids.to(self.device, non_blocking=True)
-            attention = host.attention.to(self.device, non_blocking=True)
-            gather = host.gather.to(self.device, non_blocking=True)
+            inputs = host.forward.to(self.device)
         with self.profiler.device_span("target.model_forward", stream):
-            features = self.capture(ids, attention, gather)
+            features = self.capture(*inputs)
         with self.profiler.device_span("target.encode", stream):
             encoded = self.codec.encode(features, self.n_layers)
         if not self.cuda:  # fresh tensors per batch: nothing reuses them, no copy needed
@@ -278,7 +240,7 @@ class RankExtractor:
         copied.record(self.copy_stream)
         return out, (copied, slot)
 
-    def _write(self, host: HostBatch, arrays: dict[str, torch.Tensor], pending: tuple | None) -> SegmentRecord:
+    def _write(self, host: ExtractBatch, arrays: dict[str, torch.Tensor], pending: tuple | None) -> SegmentRecord:
         if pending is None:
             return self._write_segment(host, arrays)
         copied, slot = pending
@@ -289,12 +251,6 @@ class RankExtractor:
         finally:
             self._slots.release(slot)
 
-    def _write_segment(self, host: HostBatch, arrays: dict[str, torch.Tensor]) -> SegmentRecord:
-        feature_arrays = to_stored_numpy(arrays)
-        p = host.planned
+    def _write_segment(self, host: ExtractBatch, arrays: dict[str, torch.Tensor]) -> SegmentRecord:
         with self.profiler.span("writer.compress_write_commit"):
-            return write_segment(
-                self.root, unit=p.unit, batch=p.batch, bucket=p.bucket, rank=self.rank,
-                feature_arrays=feature_arrays, feature_specs=self.specs, input_ids=host.packed_ids,
-                loss_mask=host.packed_mask, lengths=host.lengths, sample_ids=p.rows,
-            )
+            return commit_segment(self.root, host.planned, host.packed, arrays, specs=self.specs, rank=self.rank)

@@ -1,10 +1,11 @@
-"""Running an extraction: one process per GPU, or torchrun ranks, or the CPU.
+"""Running an extraction: in this process (the CPU or one GPU), or as one rank per GPU.
 
-`extract(cfg, gpus)` validates and plans once, takes the cache lock, creates or reopens the
-cache, then runs the missing segments: in this process (CPU or one GPU) or in one worker process
-per GPU (`python -m dflash_cache.extract.worker`, one CUDA device each). Under torchrun every rank runs this
-same function; rank 0 plans and commits the manifest while the others wait at a barrier.
-Whichever way it ran, the index is rewritten at the end from the commits.
+Every rank runs `extract_rank`, whoever started it: rank 0 validates and plans, takes the cache
+lock, creates or reopens the cache and tells the other ranks whether that worked; then each rank
+extracts the missing segments of its work units, and rank 0 rewrites the index from the commits.
+One device runs it in this process as the only rank. Several (`--gpus all`, `--gpus 0,2,3`) are
+started as one rank each by torch's elastic launcher (`dflash_cache.extract.launch`), which gives
+them exactly the environment torchrun gives its ranks, so both run the same code.
 """
 
 from __future__ import annotations
@@ -12,28 +13,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.job import Job, open_data, open_or_create, plan_job
+from dflash_cache.extract.launch import launch
 from dflash_cache.extract.pipeline import RankExtractor
-from dflash_cache.extract.target import describe_target, load_target
+from dflash_cache.extract.target import TargetDescription, describe_target, load_target
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.manifest import read_manifest
 from dflash_cache.store.plan import read_plan
-from dflash_cache.store.reader import write_index
 from dflash_cache.store.segments import read_records, segment_name
+from dflash_cache.store.writer import finish_cache
 
 log = logging.getLogger(__name__)
-WORKER_CONFIG_ENV = "DFLASH_EXTRACT_CONFIG"
+RESUME_HINT = "the committed segments are kept: run the same command again to resume"
 
 
 def parse_gpus(spec: str, flag: str = "--gpus") -> list[int] | None:
@@ -61,30 +62,91 @@ def parse_gpus(spec: str, flag: str = "--gpus") -> list[int] | None:
 
 
 def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun, or our own launcher, started this process as one of several."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
 
 
 def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] = log.info) -> None:
-    """The whole job. `echo` shows the plan and the result (logged by default; the CLI passes click.echo)."""
-    dist = torchrun_env()
-    if dist is not None and dist[1] > 1:
-        return _extract_torchrun(cfg, *dist, echo=echo)
-    devices = parse_gpus(gpus)
-    job = plan_job(cfg)
-    echo(job.plan.summary())
-    with CacheLock(job.root):
-        committed = open_or_create(job)
-        todo = sum(segment_name(b.unit, b.batch) not in committed for b in job.plan.batches)
-        echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; {todo} to extract")
+    """The whole job. `echo` shows the plan and the result (logged by default; the CLI passes click.echo).
+
+    Under torchrun each rank runs its share; otherwise `gpus` picks the devices."""
+    ranks = torchrun_env()
+    if ranks is not None and ranks[1] > 1:
+        extract_rank(cfg, device=_torchrun_device(), echo=echo)
+        return
+    extract_on(cfg, gpu_devices(gpus), echo)
+
+
+def gpu_devices(spec: str) -> list[torch.device]:
+    """`--gpus` as devices: the CPU for 'cpu' (or 'all' without a GPU), else one CUDA device per index."""
+    ids = parse_gpus(spec)
+    return [torch.device("cpu")] if ids is None else [torch.device("cuda", i) for i in ids]
+
+
+def _torchrun_device() -> torch.device:
+    """torchrun's convention: local rank n uses GPU n (of those CUDA_VISIBLE_DEVICES shows)."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str], None] = log.info) -> None:
+    """Extract on `devices`: one runs in this process, several as one launched rank each (the same
+    device may repeat); either way `echo` is called here, in this process."""
+    if len(devices) == 1:
+        extract_rank(cfg, device=devices[0], echo=echo)
+    else:
+        launch(extract_rank, (cfg,), devices, echo=echo, crash_hint=RESUME_HINT)
+
+
+def extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Callable[[str], None]) -> None:
+    """What every rank runs, as torchrun's environment (RANK, WORLD_SIZE) says; without it, the only rank."""
+    rank, world = torchrun_env() or (0, 1)
+    with contextlib.ExitStack() as stack:  # unwinds with the exception, so a refused run's lock file goes
+        if world > 1:
+            dist.init_process_group("gloo")
+            stack.callback(dist.destroy_process_group)
+        job, committed = _open_cache(cfg, rank, world, echo, stack)
         t0 = time.perf_counter()
-        if devices is None or len(devices) == 1:
-            device = torch.device("cpu") if devices is None else torch.device("cuda", devices[0])
-            run_rank(job, committed, rank=0, world=1, device=device)
-        else:
-            _spawn_workers(cfg, devices)
-        finish_cache(job.root, echo, time.perf_counter() - t0)
+        run_rank(job, committed, rank=rank, world=world, device=device)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            finish_cache(job.root, echo, time.perf_counter() - t0)
+
+
+def _open_cache(cfg: ExtractConfig, rank: int, world: int, echo: Callable[[str], None],
+                stack: contextlib.ExitStack) -> tuple[Job, set[str]]:
+    """Rank 0 plans, locks (until `stack` closes) and creates or reopens the cache; the other ranks
+    wait for its word, then read the plan from the cache. Returns the job and the committed segments."""
+    if rank != 0:
+        target = describe_target(cfg.target)  # meanwhile rank 0 plans, which can take a while
+        error = _word_of_rank_0(world, None)
+        if error is not None:
+            raise UserError(error)
+        job = job_from_cache(cfg, target)
+        return job, {r.name for r in read_records(job.root)}
+    try:
+        job = plan_job(cfg)
+        echo(job.plan.summary())
+        stack.enter_context(CacheLock(job.root))
+        committed = open_or_create(job)
+    except UserError as e:
+        _word_of_rank_0(world, str(e))
+        raise
+    _word_of_rank_0(world, None)
+    todo = sum(segment_name(b.unit, b.batch) not in committed for b in job.plan.batches)
+    echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; {todo} to extract")
+    return job, committed
+
+
+def _word_of_rank_0(world: int, error: str | None) -> str | None:
+    """Rank 0's error message, or None if the cache is ready, as every rank receives it."""
+    if world == 1:
+        return error
+    word = [error]
+    dist.broadcast_object_list(word, src=0)
+    return word[0]
 
 
 def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: torch.device) -> None:
@@ -107,77 +169,8 @@ def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: to
              result.seconds, result.tokens / max(result.seconds, 1e-9))
 
 
-def worker_job(cfg: ExtractConfig) -> Job:
-    """The job as a worker sees it: the plan comes from the cache the parent created."""
+def job_from_cache(cfg: ExtractConfig, target: TargetDescription) -> Job:
+    """The job as ranks other than 0 see it: the plan comes from the cache rank 0 created."""
     root = Path(cfg.out)
     manifest = read_manifest(root)
-    return Job(cfg, describe_target(cfg.target), open_data(cfg.data, cfg.limit), None, read_plan(root, manifest), manifest)
-
-
-def _spawn_workers(cfg: ExtractConfig, devices: list[int]) -> None:
-    procs = []
-    for rank, gpu in enumerate(devices):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), WORKER_CONFIG_ENV: cfg.to_json(),
-               "DFLASH_RANK": str(rank), "DFLASH_WORLD_SIZE": str(len(devices))}
-        procs.append(subprocess.Popen([sys.executable, "-m", "dflash_cache.extract.worker"], env=env))
-    failed = None
-    try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if p.poll() not in (None, 0) and failed is None:
-                    failed = (rank, p.returncode)
-                    for q in procs:
-                        q.poll() is None and q.terminate()
-            time.sleep(0.2)
-        for rank, p in enumerate(procs):
-            if p.returncode != 0 and failed is None:
-                failed = (rank, p.returncode)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if failed:
-        rank, code = failed
-        raise UserError(f"extraction worker for GPU {devices[rank]} (rank {rank}) failed with exit status "
-                        f"{code}; see its message above; run again to resume")
-
-
-def _extract_torchrun(cfg: ExtractConfig, rank: int, world: int, echo) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    with contextlib.ExitStack() as stack:  # unwinds with the exception, so a refused run's lock file goes
-        stack.callback(dist.destroy_process_group)
-        error = None
-        if rank == 0:
-            try:
-                job = plan_job(cfg)
-                echo(job.plan.summary())
-                stack.enter_context(CacheLock(Path(cfg.out)))
-                open_or_create(job)
-            except UserError as e:
-                error = str(e)
-        msg = [error]
-        dist.broadcast_object_list(msg, src=0)
-        if msg[0] is not None:
-            raise UserError(msg[0])
-        job = worker_job(cfg)
-        committed = {r.name for r in read_records(job.root)}
-        t0 = time.perf_counter()
-        run_rank(job, committed, rank=rank, world=world, device=device)
-        dist.barrier()
-        if rank == 0:
-            finish_cache(job.root, echo, time.perf_counter() - t0)
-
-
-def finish_cache(root: Path, echo: Callable[[str], None], seconds: float) -> None:
-    """Rewrite the index from the commits and report how complete the cache is."""
-    records = read_records(root)
-    write_index(root, records)
-    manifest = read_manifest(root)
-    tokens = sum(r.num_tokens for r in records)
-    done = len(records) == manifest.plan.num_segments
-    echo(f"{'complete' if done else 'INCOMPLETE'}: {len(records)}/{manifest.plan.num_segments} segments, "
-         f"{tokens:,} tokens committed; this run took {seconds:.1f}s")
+    return Job(cfg, target, open_data(cfg.data, cfg.limit), None, read_plan(root, manifest), manifest)

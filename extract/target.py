@@ -21,6 +21,8 @@ from torch import nn
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.tiny import TINY, build_tiny_target, tiny_config, tiny_weights_path
+from dflash_cache.files import hash_ends
+from dflash_cache.options import check_options, option
 from dflash_cache.store.manifest import TargetIdentity
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,7 @@ def weights_fingerprint(name: str) -> str:
     for path in files:
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
+        hash_ends(h, path, size)
     return h.hexdigest()[:16]
 
 
@@ -92,13 +91,17 @@ def config_hash(config) -> str:
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """What the user asked for: which model, in which dtype, capturing which layers."""
+    """What the user asked for: which model, in which dtype, capturing which layers (also `extract`'s options)."""
 
-    model: str
-    dtype: str = "bfloat16"
-    num_layers: int = 5
-    layers: tuple[int, ...] | None = None
-    trust_remote_code: bool = False
+    model: str = option(help="Local Hugging Face model directory, or 'tiny' (built-in, no download).")
+    dtype: str = option("bfloat16", choices=tuple(DTYPES), help="Target compute dtype.")
+    num_layers: int = option(5, min=1, help="Layers spread evenly over 1..L-3.")
+    layers: tuple[int, ...] | None = option(None, help="Explicit decoder layer ids, e.g. 1,9,17,25,33 (overrides "
+                                                       "--num-layers).")
+    trust_remote_code: bool = option(False, help="Allow the model directory's own Python code.")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass

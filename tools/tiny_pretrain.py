@@ -53,6 +53,8 @@ from dflash_cache.extract.tiny import (
     tiny_config,
 )
 from dflash_cache.files import write_bytes_atomic, write_json_atomic
+from dflash_cache.logs import setup_logging
+from dflash_cache.train.optim import adamw, warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -218,20 +220,12 @@ def build_model(seed: int) -> nn.Module:
 
 
 def make_optimizer(model: nn.Module, cfg: PretrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the matrices only (norm gains stay free)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
     """Linear warmup, then cosine from lr down to lr * min_lr_ratio at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * warmup_cosine(step, cfg.steps, cfg.warmup_steps, floor=cfg.min_lr_ratio)
 
 
 def use_compile(mode: str, device: torch.device) -> bool:
@@ -533,8 +527,7 @@ def parse_args(argv: list[str] | None = None) -> PretrainConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    setup_logging()
     cfg = parse_args(argv)
     try:
         pretrain(cfg)

@@ -28,7 +28,7 @@ from dflash_cache.train.epoch_plan import SourceConfig
 from dflash_cache.train.live_source import LiveSource, live_sample_table
 
 if TYPE_CHECKING:
-    from dflash_cache.train.trainer import TrainConfig
+    from dflash_cache.train.run_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

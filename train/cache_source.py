@@ -3,9 +3,10 @@
 Batches are planned from the cache index alone (`dflash_cache.train.epoch_plan`), no feature data.
 
 Reading runs in background threads `prefetch` batches ahead (zarr decompression releases the
-GIL); each batch is assembled there straight into pinned memory, then copied to the device on a
-side stream, where fp8 is dequantised (Triton on CUDA). The consumer's stream waits on an event,
-never the host.
+GIL); each batch is packed there (`HostBatch.pack`, as extraction packs it) straight into pinned
+memory, then copied to the device on a side stream, where fp8 is dequantised (Triton on CUDA), and
+made into a `PackedBatch` as the live source makes its own. The consumer's stream waits on an
+event, never the host.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import logging
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
-from dflash_cache.store.batch import HostLayout, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.batch import HostBatch, PackedBatch, concatenate
 from dflash_cache.store.codecs import numpy_to_torch
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.reader import CacheReader
@@ -91,8 +93,9 @@ class CacheSource:
                 yield position_after(epoch, first, i, self.world), rows
             epoch, first = epoch + 1, 0
 
-    def _read_host(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    def _read_host(self, rows: np.ndarray) -> _HostRead:
         """Read one batch's samples (stored dtypes) and lay them end to end, on a reader thread."""
+        buffers = _HostBuffers(pin=self.cuda)
         with self.profiler.span("cache.read"):
             parts: dict[str, list[np.ndarray]] = {k: [] for k in ("input_ids", "loss_mask", *self._feature_keys)}
             for r in rows:
@@ -100,51 +103,53 @@ class CacheSource:
                 hi = lo + int(self.table.lengths[r])
                 for key in parts:
                     parts[key].append(self.reader.read_array(name, key, lo, hi))
-            host = {k: concatenate(k, v, pin=self.cuda) for k, v in parts.items()}
-        lengths = self.table.lengths[rows]
-        host["cu_seqlens"] = concatenate("cu_seqlens", [np.zeros(1, np.int64), np.cumsum(lengths, dtype=np.int64)],
-                                         pin=self.cuda)
-        host["sample_ids"] = concatenate("sample_ids", [self.table.sample_ids[rows].astype(np.int64)], pin=self.cuda)
-        return host
+            packed = HostBatch.pack(parts.pop("input_ids"), parts.pop("loss_mask"), self.table.sample_ids[rows],
+                                    allocate=buffers)
+            for key, arrays in parts.items():
+                concatenate(key, arrays, allocate=buffers)
+        return _HostRead(packed, buffers.tensors)
 
-    def _to_device(self, tensors: dict[str, torch.Tensor]) -> PackedBatch:
-        layout = HostLayout(input_ids=tensors["input_ids"], loss_mask=tensors["loss_mask"],
-                            cu_seqlens=tensors["cu_seqlens"])
+    def _to_device(self, read: _HostRead) -> PackedBatch:
+        keys = self._feature_keys
         if self.cuda:
             stream = self._copy_stream
             with torch.cuda.stream(stream), self.profiler.device_span("loader.h2d", stream):
-                dev = {k: t.to(self.device, non_blocking=True) for k, t in tensors.items()}
+                dev = {k: t.to(self.device, non_blocking=True) for k, t in read.tensors.items()}
             with torch.cuda.stream(stream), self.profiler.device_span("cache.decode", stream):
-                features = self.reader.codec.decode({k: dev[k] for k in self._feature_keys}, self.reader.manifest.n_layers)
+                features = self.reader.codec.decode({k: dev[k] for k in keys}, self.reader.manifest.n_layers)
             done = torch.cuda.Event()
             done.record(stream)
             torch.cuda.current_stream(self.device).wait_event(done)
             for t in (*dev.values(), features):
                 t.record_stream(torch.cuda.current_stream(self.device))
         else:
-            dev = tensors
+            dev = read.tensors
             with self.profiler.span("cache.decode"):
-                features = self.reader.codec.decode({k: dev[k] for k in self._feature_keys}, self.reader.manifest.n_layers)
-        cu = dev["cu_seqlens"]
-        total = int(layout.input_ids.shape[0])
-        return PackedBatch(
-            input_ids=dev["input_ids"].long(),
-            loss_mask=dev["loss_mask"].bool(),
-            position_ids=positions_from_cu_seqlens(cu, total),
-            cu_seqlens=cu,
-            sample_ids=dev["sample_ids"],
-            features=features,
-            host=layout,
-        )
+                features = self.reader.codec.decode({k: dev[k] for k in keys}, self.reader.manifest.n_layers)
+        return PackedBatch.from_host(read.packed, features, tokens=dev)
 
 
-def concatenate(name: str, arrays: list[np.ndarray], *, pin: bool) -> torch.Tensor:
-    """The arrays end to end in one tensor, written straight into pinned memory when `pin`: one copy
-    on the reader thread instead of a second one by `pin_memory()` on the training thread."""
-    like = numpy_to_torch(name, arrays[0][:0])
-    out = torch.empty((sum(a.shape[0] for a in arrays), *like.shape[1:]), dtype=like.dtype, pin_memory=pin)
-    np.concatenate(arrays, out=out.numpy().view(arrays[0].dtype))
-    return out
+@dataclass
+class _HostBuffers:
+    """Allocates a batch's host arrays as (pinned) torch tensors, kept for the copy to the device:
+    reading writes each byte once, straight where the copy starts from."""
+
+    pin: bool
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        like = numpy_to_torch(name, np.empty(0, dtype))  # uint16 bits are held as int16
+        self.tensors[name] = torch.empty(shape, dtype=like.dtype, pin_memory=self.pin)
+        return self.tensors[name].numpy().view(dtype)
+
+
+@dataclass(frozen=True)
+class _HostRead:
+    """One batch read on a reader thread: its packed tokens and, by array name, the host tensors
+    (tokens and stored features) that `packed` views."""
+
+    packed: HostBatch
+    tensors: dict[str, torch.Tensor]
 
 
 def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],

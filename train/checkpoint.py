@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_cache.files import fsync_path, read_json, write_json_atomic
+from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +63,10 @@ class TrainerState:
         if obj.get("version") != STATE_VERSION:
             raise UnreadableCheckpoint(f"{where} has state version {obj.get('version')!r}; this dflash-cache "
                                        f"reads version {STATE_VERSION}")
-        kinds = {"step": int, "epoch": int, "batch": int, "tokens_seen": int, "world": int, "run": dict,
-                 "anchor_cap": int,
-                 "scheduler": dict, "optimizer_hparams": list, "version": int}
-        names = {f.name for f in fields(cls)}
-        for name in names:
-            value = obj.get(name)
-            if not isinstance(value, kinds[name]) or isinstance(value, bool):
-                raise UnreadableCheckpoint(f"{where}: field {name!r} is {value!r}, expected {kinds[name].__name__}")
-        if min(obj["step"], obj["epoch"], obj["batch"], obj["tokens_seen"]) < 0 or obj["world"] < 1:
-            raise UnreadableCheckpoint(f"{where}: negative step/position or world < 1")
-        return cls(**{k: obj[k] for k in names})
+        try:
+            return load_dataclass(cls, obj, str(where), {"world": (1, INT64_MAX)})
+        except ValueError as e:
+            raise UnreadableCheckpoint(str(e)) from None
 
 
 def _names_in_optimizer_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

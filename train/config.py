@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # the Hugging Face names, as config.json spells them
 QWEN3_VOCAB_SIZE = 151936
 QWEN3_MASK_TOKEN_ID = 151669  # an unused row of Qwen3's embedding (the public DFlash drafters use it)
 
@@ -67,7 +69,7 @@ class DrafterConfig:
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"unknown layer types {bad}; allowed: {list(LAYER_TYPES)}")
-        if "sliding_attention" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError("sliding_attention layers need a positive sliding_window")
         if self.block_size < 2:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
@@ -103,7 +105,7 @@ class DrafterConfig:
         `mask_token_id` defaults to an unused embedding row.
         """
         if layer_types is None:
-            layer_types = ("full_attention" if sliding_window is None else "sliding_attention",) * num_layers
+            layer_types = (FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION,) * num_layers
         c = target_config
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)

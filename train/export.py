@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from dflash_cache.files import write_bytes_atomic, write_json_atomic
-from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
@@ -33,7 +33,7 @@ def export_config(cfg: DrafterConfig) -> dict:
     absent); when unknown it falls back to max(target_layer_ids) + 2, the smallest valid target.
     """
     target_layers = cfg.target_num_hidden_layers or max(cfg.target_layer_ids) + 2
-    sliding = "sliding_attention" in cfg.layer_types
+    sliding = SLIDING_ATTENTION in cfg.layer_types
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": dict(AUTO_MAP),
@@ -117,7 +117,7 @@ def config_from_export(config: dict) -> DrafterConfig:
         block_size=config["block_size"],
         mask_token_id=dflash["mask_token_id"],
         target_layer_ids=tuple(dflash["target_layer_ids"]),
-        layer_types=tuple(config.get("layer_types") or ("full_attention",) * config["num_hidden_layers"]),
+        layer_types=tuple(config.get("layer_types") or (FULL_ATTENTION,) * config["num_hidden_layers"]),
         sliding_window=config.get("sliding_window"),
         target_num_hidden_layers=config.get("num_target_layers", 0),
     )

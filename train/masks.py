@@ -37,10 +37,8 @@ import torch
 
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.train.anchors import Blocks
+from dflash_cache.train.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MIN_SPAN_QUERIES = 256  # a document's queries are attended in spans of about its length, never fewer than this
 
 

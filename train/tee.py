@@ -20,16 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset
-from dflash_cache.extract.job import Job, build_manifest, open_or_create
-from dflash_cache.extract.run import finish_cache
+from dflash_cache.extract.job import build_manifest
 from dflash_cache.extract.target import TargetDescription
-from dflash_cache.store.batch import PackedBatch
-from dflash_cache.store.codecs import get_codec, to_stored_numpy
+from dflash_cache.store.batch import HostBatch, PackedBatch
+from dflash_cache.store.codecs import get_codec
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
-from dflash_cache.store.segments import read_records, segment_name, write_segment
+from dflash_cache.store.segments import read_records, segment_name
+from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create
 from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)
@@ -53,20 +52,21 @@ def epoch0_plan(table: SampleTable, config: SourceConfig, bucket_bounds: tuple[i
 class CacheTee:
     """Callable the live source hands each epoch-0 batch to; `close()` waits for the writes."""
 
-    def __init__(self, *, out: str, codec: str, target: TargetDescription, data: str, limit: int | None,
-                 dataset: TokenizedDataset, scan: DatasetScan, table: SampleTable, source_config: SourceConfig,
-                 bucket_bounds: tuple[int, ...], max_len: int | None, overlong: str, rank: int, world: int) -> None:
+    def __init__(self, *, out: str, codec: str, target: TargetDescription, dataset: TokenizedDataset,
+                 table: SampleTable, source_config: SourceConfig, bucket_bounds: tuple[int, ...],
+                 max_len: int | None, overlong: str, rank: int, world: int, data: str | None = None,
+                 limit: int | None = None, scan: DatasetScan | None = None) -> None:
+        """`data`, `limit` and `scan` are not needed (the manifest comes from `dataset`); they are
+        accepted while callers still pass them."""
         self.root, self.rank, self.world = Path(out), rank, world
         self.codec = get_codec(codec)
         self.n_layers = len(target.layer_ids)
         self.specs = self.codec.arrays(self.n_layers, target.hidden_size)
-        plan = self.plan = epoch0_plan(table, source_config, bucket_bounds, world)
-        cfg = ExtractConfig(target=target.spec, data=data, out=out, codec=codec, limit=limit, max_len=max_len,
-                            overlong=overlong, plan=plan.config, progress=False)
-        job = Job(cfg, target, dataset, scan, plan, build_manifest(cfg, target, dataset, plan))
+        self.plan = epoch0_plan(table, source_config, bucket_bounds, world)
+        manifest = build_manifest(target, dataset, self.plan, codec=codec, max_len=max_len, overlong=overlong)
         self._lock = CacheLock(self.root, name=f".lock-rank{rank}")
         self._lock.__enter__()
-        self.committed = open_or_create(job) if rank == 0 else set()
+        self.committed = open_or_create(self.root, manifest, self.plan) if rank == 0 else set()
         if world > 1:  # the other ranks write into the cache rank 0 has just created or reopened
             torch.distributed.barrier()
             self.committed = {r.name for r in read_records(self.root)}
@@ -94,12 +94,8 @@ class CacheTee:
             if ready is not None:
                 self._stream.wait_event(ready)
             encoded = {k: v.cpu() for k, v in self.codec.encode(features, self.n_layers).items()}
-        arrays = to_stored_numpy(encoded)
-        cu = batch.cu_seqlens.cpu().numpy()
-        write_segment(self.root, unit=0, batch=g, bucket=self.plan.batches[g].bucket, rank=self.rank, feature_arrays=arrays,
-                      feature_specs=self.specs, input_ids=batch.input_ids.cpu().numpy().astype(np.int32),
-                      loss_mask=batch.loss_mask.cpu().numpy().astype(np.uint8), lengths=np.diff(cu),
-                      sample_ids=batch.sample_ids.cpu().numpy())
+        commit_segment(self.root, self.plan.batches[g], HostBatch.from_packed(batch), encoded, specs=self.specs,
+                       rank=self.rank)
 
     def close(self) -> None:
         try:

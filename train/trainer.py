@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,91 +46,16 @@ from dflash_cache.train.live_source import LiveSource
 from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
+from dflash_cache.train.optim import adamw, warmup_cosine
+from dflash_cache.train.run_config import TrainConfig
 
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
 
 
-@dataclass(frozen=True, kw_only=True)
-class LiveConfig:
-    """`train --live`: the target runs beside the drafter instead of a cache feeding it."""
-
-    data: str
-    limit: int | None = None
-    max_len: int | None = None
-    overlong: str = "truncate"
-    target_gpus: str = "same"   # 'same' (the drafter's device), 'cpu', or GPU indices like 0,1
-    num_target_layers: int = 5
-    layers: tuple[int, ...] | None = None
-    dtype: str = "bfloat16"
-    queue_depth: int = 60
-    forward_token_budget: int = 49152  # the target's forward batches, planned as extraction plans them
-    forward_max_rows: int = 64
-    write_cache: str | None = None
-    write_codec: str = "bf16"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    target: str
-    out: str
-    cache: str | None = None
-    live: LiveConfig | None = None
-    block_size: int = 16
-    draft_layers: int = 5
-    num_anchors: int = 512
-    max_anchors: int | None = None  # per packed batch; bounds drafter memory on batches of short samples
-    epochs: int = 6
-    max_steps: int | None = None
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    token_budget: int = 32768
-    seed: int = 0
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    resume: bool = False
-    allow_incomplete: bool = False  # train on a cache that lacks some planned segments
-    sliding_window: int | None = None
-    mask_token_id: int | None = None
-    loss_chunk: int = 4096
-    prefetch: int = 4
-    read_threads: int = 4
-    trust_remote_code: bool = False
-    profile_interval: float | None = None
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if (self.cache is None) == (self.live is None):
-            raise UserError("give either --cache DIR or --live with --data")
-        if self.epochs < 1 and self.max_steps is None:
-            raise UserError("--epochs must be at least 1 (or give --max-steps)")
-        if self.block_size < 2 or self.num_anchors < 1 or self.draft_layers < 1:
-            raise UserError("--block-size must be >= 2, --num-anchors and --draft-layers >= 1")
-        if self.max_anchors is not None and self.max_anchors < 1:
-            raise UserError(f"--max-anchors must be >= 1, got {self.max_anchors}")
-        for flag, value in (("--save-every", self.save_every), ("--log-every", self.log_every),
-                            ("--keep-checkpoints", self.keep_checkpoints), ("--token-budget", self.token_budget),
-                            ("--loss-chunk", self.loss_chunk)):
-            if value < 1:
-                raise UserError(f"{flag} must be at least 1, got {value}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UserError(f"--max-steps must be at least 1, got {self.max_steps}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UserError(f"--lr must be a positive number, got {self.lr}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise UserError(f"--sliding-window must be at least 1 token, got {self.sliding_window}")
-
-
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
     """Linear warmup over warmup_ratio * total steps, then cosine decay to 0 at `total`."""
-    warmup = max(1, int(round(warmup_ratio * total)))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, total, warmup=max(1, int(round(warmup_ratio * total))))
 
 
 class Trainer:
@@ -164,13 +88,7 @@ class Trainer:
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
         # DDP wraps the forward/backward; checkpoints and export use the bare module.
         self.net = torch.nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
-        decay, no_decay = [], []
-        for p in self.model.parameters():
-            (no_decay if p.ndim < 2 else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-        )
+        self.optimizer = adamw(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
         self.profiler = profiler or StageProfiler(None)
         per_epoch = self.source.batches_per_epoch()
         if per_epoch == 0:
@@ -496,4 +414,4 @@ def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
             torch.distributed.destroy_process_group()
 
 
-__all__ = ["TrainConfig", "Trainer", "lr_factor", "train"]
+__all__ = ["Trainer", "lr_factor", "train"]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.files import write_bytes_atomic
-from dflash_cache.store.manifest import Manifest
+from dflash_cache.files import write_parquet_atomic
+from dflash_cache.options import check_options, option
+from dflash_cache.store.manifest import Manifest, PlanParams
 from dflash_cache.store.reader import read_parquet
 
 PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
@@ -31,21 +31,21 @@ DEFAULT_UNIT_ROWS = 4096
 
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
-    token_budget: int = DEFAULT_TOKEN_BUDGET
-    max_rows: int = DEFAULT_MAX_ROWS
-    unit_rows: int = DEFAULT_UNIT_ROWS
-    bucket_bounds: tuple[int, ...] = DEFAULT_BUCKETS
+    """How rows are batched into segments; the fields are also `extract`'s options."""
+
+    token_budget: int = option(DEFAULT_TOKEN_BUDGET, min=1, help="Padded tokens per forward batch.")
+    max_rows: int = option(DEFAULT_MAX_ROWS, min=1, help="Rows per forward batch at most.")
+    unit_rows: int = option(DEFAULT_UNIT_ROWS, min=1, help="Dataset rows per work unit (sort window).")
+    bucket_bounds: tuple[int, ...] = option(DEFAULT_BUCKETS, flag="--buckets",
+                                            help="Length-bucket lower bounds; rows batch only with rows of their "
+                                                 "bucket.")
 
     def __post_init__(self) -> None:
-        if self.token_budget < 1:
-            raise UserError(f"--token-budget must be positive, got {self.token_budget}")
-        if self.max_rows < 1:
-            raise UserError(f"--max-rows must be positive, got {self.max_rows}")
-        if self.unit_rows < 1:
-            raise UserError(f"--unit-rows must be positive, got {self.unit_rows}")
+        check_options(self)
         b = self.bucket_bounds
         if not b or b[0] != 0 or any(x >= y for x, y in zip(b, b[1:], strict=False)):
-            raise UserError(f"bucket bounds {list(b)} must start at 0 and increase")
+            raise UserError(f"--buckets {','.join(map(str, b)) or '(empty)'} must start at 0 and increase, "
+                            "e.g. 0,770,1216")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +80,16 @@ class Plan:
     @property
     def num_samples(self) -> int:
         return sum(len(b.rows) for b in self.batches)
+
+    def params(self, *, max_len: int | None, overlong: str) -> PlanParams:
+        """What a manifest records of this plan, with the --max-len policy its lengths were taken under."""
+        c = self.config
+        return PlanParams(
+            unit_rows=c.unit_rows, token_budget=c.token_budget, max_rows=c.max_rows,
+            bucket_bounds=tuple(c.bucket_bounds), max_len=max_len, overlong=overlong,
+            num_rows=self.num_rows, num_units=self.num_units, num_segments=len(self.batches),
+            num_samples=self.num_samples, num_tokens=self.num_tokens,
+        )
 
     def for_rank(self, rank: int, world: int) -> Iterator[PlannedBatch]:
         """Whole units go to one rank (unit % world == rank) so each rank reads contiguous rows."""
@@ -133,10 +143,7 @@ def write_plan_table(root: Path, plan: Plan) -> None:
         parts["batch"].append(np.full(n, b.batch, np.int32))
         parts["bucket"].append(np.full(n, b.bucket, np.int16))
         parts["length"].append(b.lengths)
-    table = pa.table({k: np.concatenate(v) for k, v in parts.items()})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    write_bytes_atomic(root / PLAN_FILE, sink.getvalue().to_pybytes())
+    write_parquet_atomic(root / PLAN_FILE, pa.table({k: np.concatenate(v) for k, v in parts.items()}))
 
 
 def read_plan(root: Path, manifest: Manifest) -> Plan:

@@ -32,7 +32,8 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.files import inside, open_regular, write_bytes_atomic
+from dflash_cache.files import inside, open_regular, write_parquet_atomic
+from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
 from dflash_cache.store.manifest import Manifest, read_manifest
 from dflash_cache.store.segments import (
@@ -127,9 +128,7 @@ def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
     table = build_index(records).replace_schema_metadata(
         {"commits": str(len(records)), "commits_digest": records_digest(records)}
     )
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    write_bytes_atomic(root / INDEX_FILE, sink.getvalue().to_pybytes())
+    write_parquet_atomic(root / INDEX_FILE, table)
     return table
 
 
@@ -322,6 +321,12 @@ class CacheReader:
         """All arrays of one segment (stored dtypes), decoded from disk."""
         keys = [*TOKEN_ARRAYS, *self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)]
         return {k: self.read_array(name, k) for k in keys}
+
+    def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:
+        """A segment as it was committed: its packed batch and its stored (encoded) feature arrays."""
+        arrays = self.read_segment(name)
+        features = {k: arrays[k] for k in self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)}
+        return HostBatch.from_stored(arrays), features
 
     def decode_features(self, arrays: dict[str, np.ndarray], device: str | torch.device = "cpu") -> torch.Tensor:
         specs = self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)

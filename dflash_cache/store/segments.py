@@ -13,6 +13,10 @@ A segment exists for readers iff its record exists. The record lists every file 
 with its size, because zarr 3.1 reads a missing shard as zeros without complaint; readers check
 the list before touching data. Names are validated and every path is resolved inside the root
 before use, so a cache received from someone else cannot point a reader elsewhere.
+
+This module is the format: names, records, how an array is chunked and sharded (`write_array`)
+and the checks that hold a received segment to that. Committing a segment is
+`dflash_cache.store.writer.commit_segment`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.files import TMP_SUFFIX, inside, read_json, write_json_atomic
+from dflash_cache.files import TMP_SUFFIX, inside, read_json
 from dflash_cache.store.codecs import TOKEN_ARRAYS, ArraySpec, codec_names, token_spec
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
@@ -145,79 +149,6 @@ def write_array(store: LocalStore, name: str, data: np.ndarray, compressors: tup
         fill_value=0,
         config={"write_empty_chunks": True},
     )
-
-
-def list_files(directory: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def fsync_tree(directory: Path) -> None:
-    """Make a segment's files durable before its commit can point at them (files only: the
-    directories are new, and the commit's own rename + directory fsync orders after them)."""
-    for p in directory.rglob("*"):
-        if not p.is_file():
-            continue
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_segment(
-    root: Path,
-    *,
-    unit: int,
-    batch: int,
-    bucket: int,
-    rank: int,
-    feature_arrays: dict[str, np.ndarray],
-    feature_specs: dict[str, ArraySpec],
-    input_ids: np.ndarray,
-    loss_mask: np.ndarray,
-    lengths: np.ndarray,
-    sample_ids: np.ndarray,
-) -> SegmentRecord:
-    """Write one segment's arrays, fsync them, then commit its record. Returns the record."""
-    name = segment_name(unit, batch)
-    seg_dir = root / SEGMENTS_DIR / name
-    if seg_dir.exists():  # garbage from a crashed attempt at the same work
-        shutil.rmtree(seg_dir)
-    store = LocalStore(seg_dir)
-    zarr.create_group(store=store)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = {
-        "input_ids": input_ids.astype(TOKEN_ARRAYS["input_ids"], copy=False),
-        "loss_mask": loss_mask.astype(TOKEN_ARRAYS["loss_mask"], copy=False),
-        "offsets": offsets,
-        "sample_ids": sample_ids.astype(TOKEN_ARRAYS["sample_ids"], copy=False),
-    }
-    for key, arr in tokens.items():
-        write_array(store, key, arr, token_spec(key).compressors)
-    for key, arr in feature_arrays.items():
-        write_array(store, key, arr, feature_specs[key].compressors)
-    fsync_tree(seg_dir)
-    supervised = np.add.reduceat(tokens["loss_mask"].astype(np.int64), offsets[:-1]) if len(lengths) else []
-    record = SegmentRecord(
-        name=name,
-        unit=unit,
-        batch=batch,
-        bucket=bucket,
-        rank=rank,
-        num_tokens=int(offsets[-1]),
-        sample_ids=tuple(int(i) for i in sample_ids),
-        lengths=tuple(int(n) for n in lengths),
-        supervised=tuple(int(s) for s in supervised),
-        files=list_files(seg_dir),
-    )
-    record.check(name)
-    write_json_atomic(root / COMMITS_DIR / f"{name}.json", record.to_json())
-    return record
 
 
 def read_records(root: Path) -> list[SegmentRecord]:

@@ -36,7 +36,7 @@ def test_gpu_features_equal_plain_hf_forward(small_parquet, tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("gpus", ["0", "0,0"])  # "0,0": two worker processes sharing one GPU
+@pytest.mark.parametrize("gpus", ["0", "0,0"])  # "0,0": two launched ranks sharing one GPU
 def test_gpu_fp8_cache_matches_lossless_cache(small_parquet, tmp_path, gpus):
     ref_cfg = extract_config(small_parquet, tmp_path / "ref", codec="none")
     extract(ref_cfg, "0", echo=lambda *_: None)

@@ -1,40 +1,48 @@
-"""Session fixtures for phase 2: the demo cache, and a drafter trained on it once for all tests."""
+"""Session fixtures for phase 2: the demo cache, and the committed demo drafter trained on it.
+
+Both follow the recipe in tools/make_demo_drafter.py, which also owns `demo_train_config` (re-exported
+here for the tests that import it from this module)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec
-from dflash_cache.store.plan import PlanConfig
-from dflash_cache.train.trainer import TrainConfig, Trainer
+from tools.make_demo_drafter import ASSET_DIR, demo_extract_config
+from tools.make_demo_drafter import demo_train_config as demo_train_config
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch ops of the block on one intra-op thread. The tiny models' ops last microseconds to
+    milliseconds, too short to gain from a second thread, while OpenMP threads spin waiting for work:
+    with anything else busy on a 2-core machine (the pipeline's own reader and writer threads, another
+    process) they run ten to twenty times slower than on one thread, which is as fast when alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> Path:
+    """The demo rows through the tiny target (a second or two on the CPU)."""
     root = tmp_path_factory.mktemp("demo") / "cache"
-    cfg = ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(root), codec="bf16",
-                        plan=PlanConfig(token_budget=4096, max_rows=16, unit_rows=64, bucket_bounds=(0, 128, 256)),
-                        writers=2, progress=False)
-    extract(cfg, "cpu", echo=lambda *_: None)
+    with one_torch_thread():
+        extract(demo_extract_config(root), "cpu", echo=lambda *_: None)
     return root
 
 
-def demo_train_config(cache: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(cache=str(cache), target="tiny", out=str(out), block_size=8, draft_layers=2, num_anchors=16,
-                token_budget=2048, lr=3e-3, log_every=1, save_every=10_000, progress=False, prefetch=2,
-                read_threads=1)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 @pytest.fixture(scope="session")
-def trained_demo_run(demo_cache, tmp_path_factory) -> Path:
-    """200 steps on the demo cache (log every 25): the run directory, with metrics and export."""
-    out = tmp_path_factory.mktemp("trained") / "run"
-    Trainer.build(demo_train_config(demo_cache, out, max_steps=200, log_every=25), device=torch.device("cpu")).fit()
-    return out
+def demo_drafter() -> Path:
+    """The committed drafter trained 200 steps on the demo cache: an export directory (config.json,
+    model.safetensors, dflash.py) that also holds the run's metrics.jsonl. Read-only: tests must not
+    write into it. tests/tools/test_make_demo_drafter.py refuses a stale one."""
+    return ASSET_DIR

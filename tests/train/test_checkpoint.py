@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
-from dflash_cache.train.checkpoint import list_checkpoints
+from dflash_cache.train.checkpoint import STATE_VERSION, TrainerState, UnreadableCheckpoint, list_checkpoints
 from dflash_cache.train.trainer import Trainer
 from tests.train.conftest import demo_train_config
 
@@ -167,3 +167,22 @@ def test_logged_tokens_per_second_waits_for_the_device(demo_cache, tmp_path, mon
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     tokens = [r["tokens_seen"] for r in rows]
     assert rows[1]["tokens_per_s"] * 1.0 <= tokens[1] - tokens[0], "the second window lasted at least 1 s"
+
+
+def _state(**changes) -> dict:
+    state = {"step": 4, "epoch": 0, "batch": 4, "tokens_seen": 100, "world": 1, "run": {"seed": 0},
+             "anchor_cap": 64, "scheduler": {}, "optimizer_hparams": [{"lr": 1e-3}], "version": STATE_VERSION}
+    return {**state, **changes}
+
+
+def test_a_state_read_from_disk_has_every_field_checked():
+    assert TrainerState.from_json(_state(), where=Path("s.json")).step == 4
+    for bad, field in [({"step": "four"}, "step"), ({"world": 0}, "world"), ({"batch": -1}, "batch"),
+                       ({"step": True}, "step"), ({"optimizer_hparams": {"lr": 1}}, "optimizer_hparams"),
+                       ({"optimizer_hparams": [3]}, "optimizer_hparams"), ({"run": []}, "run")]:
+        with pytest.raises(UnreadableCheckpoint, match=field):
+            TrainerState.from_json(_state(**bad), where=Path("s.json"))
+    with pytest.raises(UnreadableCheckpoint, match="version"):
+        TrainerState.from_json(_state(version=1), where=Path("s.json"))
+    with pytest.raises(UnreadableCheckpoint, match="unknown field"):
+        TrainerState.from_json({**_state(), "extra": 1}, where=Path("s.json"))

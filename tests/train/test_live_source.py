@@ -7,6 +7,7 @@ import itertools
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,13 +17,15 @@ from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.job import open_data
 from dflash_cache.extract.run import extract
 from dflash_cache.extract.target import TargetSpec, describe_target, load_target
+from dflash_cache.store.manifest import mismatches
 from dflash_cache.store.plan import PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.epoch_plan import Position, SourceConfig
 from dflash_cache.train.live_source import LiveSource, live_sample_table
-from dflash_cache.train.trainer import LiveConfig, TrainConfig, Trainer
+from dflash_cache.train.run_config import LiveConfig, TrainConfig
+from dflash_cache.train.trainer import Trainer
 
 SOURCE = SourceConfig(token_budget=2048, min_supervised=16, seed=3, prefetch=2, read_threads=1)
 CPU = torch.device("cpu")
@@ -63,6 +66,31 @@ def test_first_batches_from_cache_and_live_are_bit_identical(demo_bf16_cache):
             for field in ("sample_ids", "cu_seqlens", "input_ids", "loss_mask", "position_ids", "features"):
                 a, b = getattr(bc, field), getattr(bl, field)
                 assert a.dtype == b.dtype and torch.equal(a, b), (pc, field)
+
+
+def test_the_tee_commits_what_extraction_committed(demo_bf16_cache, tmp_path):
+    """Epoch 0 of the extracted cache handed to the tee makes a cache of the same samples, bit for
+    bit, under the same manifest but for its plan: both commit through the store's one writer."""
+    from dflash_cache.train.tee import CacheTee
+
+    extracted = CacheReader(demo_bf16_cache)
+    source = CacheSource(extracted, SOURCE, device=CPU)
+    tee = CacheTee(out=str(tmp_path / "tee"), codec="bf16", target=describe_target(TargetSpec(model="tiny")),
+                   dataset=open_data("demo"), table=source.table, source_config=SOURCE,
+                   bucket_bounds=PlanConfig().bucket_bounds, max_len=None, overlong="truncate", rank=0, world=1)
+    with contextlib.closing(source.iterate(Position(0, 0), epochs=1)) as batches:
+        for g, (_, batch) in enumerate(batches):
+            tee(g, batch, None)
+    tee.close()
+    teed = CacheReader(tmp_path / "tee")
+    assert teed.complete and not verify(teed)
+    assert {field.split(".")[0] for field, *_ in mismatches(extracted.manifest, teed.manifest)} == {"plan"}
+    assert teed.num_samples == sum(len(b) for b in source.epoch_batches(0)) > 0
+    for rec in teed.records:
+        for sid in rec.sample_ids:
+            a, b = teed.sample(sid), extracted.sample(sid)
+            assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+            assert torch.equal(a.features.view(torch.int16), b.features.view(torch.int16)), sid
 
 
 def test_default_forward_batching_changes_features_by_rounding_only(demo_bf16_cache):

@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 from dflash_cache.cli import cli
 from dflash_cache.extract.run import extract
 from dflash_cache.extract.target import TargetSpec
-from dflash_cache.train.trainer import TrainConfig, Trainer, lr_factor
-from tests.train.conftest import demo_train_config
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.trainer import Trainer, lr_factor
+from tests.train.conftest import one_torch_thread
+from tools.make_demo_drafter import demo_train_config
 
 
 def _cfg(cache: Path, out: Path, **kw) -> TrainConfig:
@@ -31,16 +33,25 @@ def test_lr_schedule():
     assert lr_factor(100, 100, 0.04) == pytest.approx(0.0)
 
 
-def test_training_lowers_loss_and_learns_slot_one(trained_demo_run):
-    out = trained_demo_run
-    rows = _rows(out)
-    first, last = rows[0], rows[-1]
-    assert last["loss"] < 0.8 * first["loss"], (first["loss"], last["loss"])
-    # chance is 1/2048 for the tiny vocabulary; 0.05 is a hundred times that. The pretrained target's
-    # text is predictable enough that 25 steps already give ~0.15, so the gain is measured in points.
-    assert last["slot_acc"][0] > 0.05 and last["slot_acc"][0] > first["slot_acc"][0] + 0.1, (first, last)
-    assert last["tau_hat"] > 1.05
-    export = out / "export"
+def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
+    """40 fresh steps already learn: compared with the first 5 steps, the last 10 have a fifth less
+    loss and predict slot 1 far above chance. (The committed 200-step demo drafter's metrics are
+    checked in tests/tools; this run is what proves that the trainer as it is now still learns.)"""
+    import torch
+
+    with one_torch_thread():
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=40, log_every=5), device=torch.device("cpu")).fit()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(5, 41, 5))
+    first = rows[0]
+    loss = sum(r["loss"] for r in rows[-2:]) / 2
+    slot_one = sum(r["slot_acc"][0] for r in rows[-2:]) / 2
+    assert loss < 0.8 * first["loss"], (first["loss"], loss)
+    # chance is 1/2048 for the tiny vocabulary; 0.06 is over a hundred times that. On this predictable
+    # text the first 5 steps average ~0.04, the last 10 of 40 ~0.085 (the demo drafter's 200 reach ~0.24).
+    assert slot_one > 0.06 and slot_one > first["slot_acc"][0] + 0.025, (first["slot_acc"][0], slot_one)
+    assert rows[-1]["tau_hat"] > 1.05
+    export = tmp_path / "export"
     assert len(load_file(export / "model.safetensors")) == 3 + 11 * 2
     assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 

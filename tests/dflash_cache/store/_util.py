@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_cache.store.batch import HostBatch, cu_seqlens_of
 from dflash_cache.store.codecs import get_codec, to_stored_numpy
 from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name, write_segment
+from dflash_cache.store.plan import PlannedBatch
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name
+from dflash_cache.store.writer import commit_segment
 
 VOCAB = 1000
 
@@ -53,24 +56,24 @@ def bf16_features(num_tokens: int, width: int, seed: int = 0) -> torch.Tensor:
 def write_synthetic_segment(root: Path, manifest: Manifest, *, unit: int = 0, batch: int = 0,
                             lengths=(17, 25, 18), first_id: int = 0, seed: int = 0,
                             features: torch.Tensor | None = None) -> tuple[SegmentRecord, dict]:
-    """Write one segment through the codec's encode + write_segment; returns the record and inputs."""
+    """Commit one segment of random tokens through the codec's encode + commit_segment; returns the
+    record and inputs."""
     lengths = np.asarray(lengths, dtype=np.int64)
     t = int(lengths.sum())
     codec = get_codec(manifest.codec)
     rng = np.random.default_rng(seed)
     if features is None:
         features = bf16_features(t, manifest.feature_width, seed)
-    arrays = to_stored_numpy(codec.encode(features, manifest.n_layers))
-    input_ids = rng.integers(0, VOCAB, size=t).astype(np.int32)
-    loss_mask = (rng.random(t) < 0.6).astype(np.uint8)
+    encoded = codec.encode(features, manifest.n_layers)
     sample_ids = np.arange(first_id, first_id + len(lengths), dtype=np.int64)
-    rec = write_segment(
-        root, unit=unit, batch=batch, bucket=0, rank=0, feature_arrays=arrays,
-        feature_specs=codec.arrays(manifest.n_layers, manifest.hidden_size), input_ids=input_ids,
-        loss_mask=loss_mask, lengths=lengths, sample_ids=sample_ids,
-    )
-    inputs = {"features": features, "input_ids": input_ids, "loss_mask": loss_mask, "lengths": lengths,
-              "sample_ids": sample_ids, "stored": arrays}
+    packed = HostBatch(input_ids=rng.integers(0, VOCAB, size=t).astype(np.int32),
+                       loss_mask=(rng.random(t) < 0.6).astype(np.uint8), cu_seqlens=cu_seqlens_of(lengths),
+                       sample_ids=sample_ids)
+    planned = PlannedBatch(unit=unit, batch=batch, bucket=0, rows=sample_ids, lengths=lengths.astype(np.int32))
+    rec = commit_segment(root, planned, packed, encoded,
+                         specs=codec.arrays(manifest.n_layers, manifest.hidden_size), rank=0)
+    inputs = {"features": features, "input_ids": packed.input_ids, "loss_mask": packed.loss_mask, "lengths": lengths,
+              "sample_ids": sample_ids, "stored": to_stored_numpy(encoded), "packed": packed}
     return rec, inputs
 
 
@@ -92,7 +95,7 @@ def flip_byte(path: Path, pos: int | None = None) -> int:
 
 
 def many_segments(root: Path, count: int, *, distinct: int = 8, hidden_size: int = 4) -> list[str]:
-    """A cache of `count` tiny committed segments, fast: `distinct` are written by write_segment
+    """A cache of `count` tiny committed segments, fast: `distinct` are written by commit_segment
     with their own random data, the rest hard-link a written one's files under their own name and
     commit a record of their own (their sample ids differ; their stored data repeats). Good for
     exercising the reader's bookkeeping of many segments; not a cache for `verify`."""

@@ -1,4 +1,4 @@
-"""Codec round trips through write_segment + CacheReader, chunk checksums, and compression."""
+"""Codec round trips through commit_segment + CacheReader, chunk checksums, and compression."""
 
 from __future__ import annotations
 

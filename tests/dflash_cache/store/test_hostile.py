@@ -22,7 +22,8 @@ from dflash_cache.files import read_json
 from dflash_cache.store.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from dflash_cache.store.plan import PLAN_FILE
 from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, list_files, read_records
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, read_records
+from dflash_cache.store.writer import list_files
 from tests.dflash_cache.store._util import (
     finishes_within,
     make_manifest,

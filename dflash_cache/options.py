@@ -1,0 +1,276 @@
+"""Command-line options declared once: on the fields of the config dataclasses.
+
+A field made with `option(...)` carries its flag's help, its range or choices and, if the default
+name does not fit, its flag. `config_options` turns a config class, and the configs nested in it,
+into click options; `build_config` makes the config from what click parsed; `check_options` runs
+the same range and choice checks in `__post_init__`, so configs built in code (tests, benchmarks)
+are held to what the command line enforces. Adding an option is adding a field.
+
+Field types decide the option's kind: int, float and str take a value; bool is a flag (`--name`,
+or `--no-name` when it defaults to True); `tuple[int, ...]` is a comma list like 1,9,17; `X | None`
+is optional. A nested config field becomes its fields' options, flat; a nested `Config | None`
+field with `option(None, help=...)` becomes a flag (like `--live`) that turns that config on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from typing import Any, Literal
+
+import click
+
+from dflash_cache.errors import UserError
+
+_METADATA_KEY = "dflash_cache.option"
+_NESTED = "__"  # joins field names into click parameter names: live__data is LiveConfig.data under `live`
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """What a config field says about its command-line option (kept in the field's metadata)."""
+
+    help: str
+    flag: str | None = None  # default: --field-name, or --no-field-name for a bool that defaults to True
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False  # refuse `min` itself (a learning rate must be > 0)
+    choices: tuple[str, ...] | None = None
+    path: Literal["any", "dir"] | None = None  # a path (shown as PATH; "dir": an existing file is refused)
+    cli: bool = True  # False: set in code only, never on the command line
+
+    def check(self, name: str, value: Any) -> None:
+        """Raise a one-line UserError naming `name` if `value` is outside the declared choices or range."""
+        if self.choices is not None and value not in self.choices:
+            raise UserError(f"{name} {value!r} is not one of: {', '.join(self.choices)}")
+        if self.min is None and self.max is None:
+            return
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise UserError(f"{name} must be a finite number, got {v}")
+            if self.min is not None and (v < self.min or (self.min_open and v == self.min)):
+                raise UserError(f"{name} must be {'greater than' if self.min_open else 'at least'} {self.min}, "
+                                f"got {v}")
+            if self.max is not None and v > self.max:
+                raise UserError(f"{name} must be at most {self.max}, got {v}")
+
+
+def option(default: Any = MISSING, *, help: str = "", flag: str | None = None, min: float | None = None,
+           max: float | None = None, min_open: bool = False, choices: tuple[str, ...] | None = None,
+           path: Literal["any", "dir"] | None = None, cli: bool = True) -> Any:
+    """A dataclass field that is also a command-line option; no default makes the option required."""
+    if cli and not help:
+        raise TypeError("a command-line option needs help text (or cli=False)")
+    spec = OptionSpec(help=help, flag=flag, min=min, max=max, min_open=min_open,
+                      choices=tuple(choices) if choices is not None else None, path=path, cli=cli)
+    return field(default=default, metadata={_METADATA_KEY: spec})
+
+
+def flag_of(f: Field) -> str:
+    """The flag of an option field, or the field's name if it has none (then code alone sets it)."""
+    spec = f.metadata.get(_METADATA_KEY)
+    if spec is None or not spec.cli:
+        return f.name
+    if spec.flag:
+        return spec.flag
+    stem = f.name.replace("_", "-")
+    return f"--no-{stem}" if f.default is True else f"--{stem}"
+
+
+def check_options(config: Any) -> None:
+    """The declared range and choice checks of `config`'s own fields; call it from `__post_init__`."""
+    for f in fields(config):
+        spec = f.metadata.get(_METADATA_KEY)
+        value = getattr(config, f.name)
+        if spec is not None and value is not None:
+            spec.check(flag_of(f), value)
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers like 1,9,17, as a tuple; blank is None for an optional field."""
+
+    name = "integers"
+
+    def __init__(self, optional: bool) -> None:
+        self.optional = optional
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None or isinstance(value, tuple):
+            return value
+        parts = [p for p in str(value).split(",") if p.strip()]
+        if not parts and self.optional:
+            return None
+        try:
+            return tuple(int(p) for p in parts)
+        except ValueError:
+            self.fail(f"{value!r}: expected comma-separated integers like 1,9,17", param, ctx)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One field of a config class, classified: a nested config, a gate (optional nested config), an
+    option, or an internal field (cli=False)."""
+
+    field: Field
+    kind: Literal["nested", "gate", "option", "internal"]
+    type: Any  # the field's type without `| None`
+    optional: bool
+
+
+def _strip_none(hint: Any) -> tuple[Any, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return hint, False
+
+
+def _entries(cls: type) -> Iterator[_Entry]:
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if not f.init:
+            continue
+        base, optional = _strip_none(hints[f.name])
+        spec = f.metadata.get(_METADATA_KEY)
+        if is_dataclass(base):
+            if optional and spec is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: an optional nested config needs option(None, help=...), "
+                                "its on/off flag")
+            yield _Entry(f, "gate" if optional else "nested", base, optional)
+        elif spec is None:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with option(); give it help text, or "
+                            "cli=False if the command line must not set it")
+        else:
+            yield _Entry(f, "option" if spec.cli else "internal", base, optional)
+
+
+def _has_default(f: Field) -> bool:
+    return f.default is not MISSING or f.default_factory is not MISSING
+
+
+def _click_type(entry: _Entry) -> click.ParamType:
+    spec, t = entry.field.metadata[_METADATA_KEY], entry.type
+    if t == tuple[int, ...]:
+        return IntList(entry.optional)
+    if t is int or t is float:
+        if spec.min is None and spec.max is None:
+            return click.INT if t is int else click.FLOAT
+        kind = click.IntRange if t is int else click.FloatRange
+        return kind(min=spec.min, max=spec.max, min_open=spec.min_open)
+    if t is str:
+        if spec.choices is not None:
+            return click.Choice(spec.choices)
+        if spec.path is not None:
+            return click.Path(file_okay=spec.path != "dir")
+        return click.STRING
+    raise TypeError(f"field {entry.field.name}: no command-line form for type {t!r}")
+
+
+def _click_option(entry: _Entry, name: str, gate: str | None) -> click.Option:
+    f = entry.field
+    spec: OptionSpec = f.metadata[_METADATA_KEY]
+    text = f"{gate}: {spec.help}" if gate else spec.help
+    decls = [flag_of(f), name]
+    if entry.kind == "gate":
+        return click.Option(decls, is_flag=True, default=False, help=text)
+    if entry.type is bool:
+        if f.default is True:  # --no-progress sets progress=False
+            return click.Option(decls, is_flag=True, flag_value=False, default=True, help=text)
+        return click.Option(decls, is_flag=True, default=False, help=text)
+    kw: dict[str, Any] = {"type": _click_type(entry), "help": text}
+    if not _has_default(f):
+        kw.update(required=gate is None)  # under a gate, its absence is reported when the gate is on
+    else:
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if isinstance(default, tuple):
+            default = ",".join(map(str, default))
+        kw.update(default=default, show_default=default is not None)
+    return click.Option(decls, **kw)
+
+
+def config_options(cls: type, prefix: tuple[str, ...] = (), gate: str | None = None) -> list[click.Option]:
+    """The click options of `cls` and of the configs nested in it, in field order.
+
+    A gate's options get their help prefixed with the gate's flag (`--live: ...`). Raises TypeError
+    on a field without `option()` and on two fields with one flag: mistakes in the code, not input.
+    """
+    out: list[click.Option] = []
+    for entry in _entries(cls):
+        path = (*prefix, entry.field.name)
+        if entry.kind == "nested":
+            out += config_options(entry.type, path, gate)
+        elif entry.kind == "gate":
+            out.append(_click_option(entry, _NESTED.join(path), gate))
+            out += config_options(entry.type, path, flag_of(entry.field))
+        elif entry.kind == "option":
+            out.append(_click_option(entry, _NESTED.join(path), gate))
+    flags = [o for opt in out for o in opt.opts]
+    twice = sorted({o for o in flags if flags.count(o) > 1})
+    if twice:
+        raise TypeError(f"{cls.__name__}: flags declared by more than one field: {', '.join(twice)}")
+    return out
+
+
+def build_config(cls: type, values: Mapping[str, Any], prefix: tuple[str, ...] = (), gate: str | None = None) -> Any:
+    """The config `cls` from click's parsed values (keyed as `config_options` names them); internal
+    fields keep their defaults, and a gated config is built only when its flag is given."""
+    kwargs: dict[str, Any] = {}
+    for entry in _entries(cls):
+        f = entry.field
+        path = (*prefix, f.name)
+        name = _NESTED.join(path)
+        if entry.kind == "nested":
+            kwargs[f.name] = build_config(entry.type, values, path, gate)
+        elif entry.kind == "gate":
+            kwargs[f.name] = build_config(entry.type, values, path, flag_of(f)) if values[name] else None
+        elif entry.kind == "option":
+            if gate is not None and values[name] is None and not _has_default(f):
+                raise UserError(f"{gate} needs {flag_of(f)}")
+            kwargs[f.name] = values[name]
+    return cls(**kwargs)
+
+
+class ConfigCommand(click.Command):
+    """A click command whose options are generated from a config class, and whose callback receives
+    the built config as `cfg` (beside any options declared on the command itself).
+
+    `config` may be the class or "module:Class"; a string is imported only when the command parses
+    its arguments or shows its help, so `dflash-cache --help` and the other commands do not pay for
+    the phase's imports (torch, seconds).
+    """
+
+    def __init__(self, *args: Any, config: type | str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._config = config
+        self._generated: list[click.Option] | None = None
+
+    def config_class(self) -> type:
+        if isinstance(self._config, str):
+            module, _, name = self._config.partition(":")
+            return getattr(importlib.import_module(module), name)
+        return self._config
+
+    def generated_options(self) -> list[click.Option]:
+        """The options made from the config class (made once, then kept on the command)."""
+        if self._generated is None:
+            generated = config_options(self.config_class())
+            clash = {o for p in self.params for o in p.opts} & {o for p in generated for o in p.opts}
+            if clash:
+                raise TypeError(f"{self.name}: {', '.join(sorted(clash))} declared on the command and the config")
+            self.params = [*generated, *self.params]
+            self._generated = generated
+        return self._generated
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        self.generated_options()
+        return super().get_params(ctx)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        values = {o.name: ctx.params.pop(o.name) for o in self.generated_options()}
+        ctx.params["cfg"] = build_config(self.config_class(), values)
+        return super().invoke(ctx)

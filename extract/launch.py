@@ -1,0 +1,216 @@
+"""One process per device, started through torch's elastic launcher exactly as torchrun starts them.
+
+`launch(fn, args, devices, echo=...)` runs `fn(*args, device=devices[LOCAL_RANK], echo=...)` in one
+spawned process per device, each with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, ...), so code written for a torchrun rank runs unchanged. A rank's `echo` sends each
+line to the parent, which shows it with its own `echo` (stdout for the CLI): what a rank says to
+the user comes out where a single-process run would put it. The launcher is single-node with a
+private c10d rendezvous on a free port and no restarts: a failing rank stops the others at once.
+
+Failures come back as one line. A rank that fails writes a small report (its UserError's message,
+or the type and first line of an unexpected exception, whose traceback it logs itself) into a
+directory only this launch uses; the parent raises the earliest report as `RankFailed`, a
+UserError. Elastic's own failure logging, which would print tracebacks for user mistakes, is
+silenced while it runs (unless debug logging is on).
+
+Signals: elastic turns SIGINT/SIGTERM/SIGHUP/SIGQUIT in the parent into stopping the ranks. The
+parent's own handlers are put back afterwards and the signal raised again, so Ctrl-C still ends
+in KeyboardInterrupt. A signal this process ignores (SIGHUP under nohup) stays ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from dflash_cache.errors import UserError
+from dflash_cache.logs import setup_logging
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what elastic would handle by default
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+class RankFailed(UserError):
+    """A launched rank failed: its own UserError's message, or what killed it."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a failed rank tells the parent."""
+
+    rank: int
+    user_error: bool
+    message: str
+    time: float
+
+    def write(self, folder: Path) -> None:
+        tmp = folder / f"rank-{self.rank}.tmp"
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(folder / f"rank-{self.rank}.json")
+
+    @classmethod
+    def read_all(cls, folder: Path) -> list[Report]:
+        return sorted((cls(**json.loads(p.read_text())) for p in folder.glob("rank-*.json")), key=lambda r: r.time)
+
+
+def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torch.device], *,
+           echo: Callable[[str], None] = log.info, crash_hint: str = "") -> None:
+    """Run `fn(*args, device=..., echo=...)` once per device, each in its own launched rank (fn and
+    args must pickle); the lines a rank echoes reach `echo` here.
+
+    Raises RankFailed for the first rank that failed. `crash_hint` is appended when that was not a
+    UserError (a bug or a kill), to say what the user can do next."""
+    handled = [name for name in STOP_SIGNALS if _handler(name) is not signal.SIG_IGN]
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=len(devices), run_id=f"dflash-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn", signals_to_handle=",".join(handled),
+    )
+    received = None
+    with (tempfile.TemporaryDirectory(prefix="dflash-ranks-") as tmp, _lines_to(echo) as lines,
+          _parent_state_kept(handled)):
+        try:
+            level = logging.getLogger().getEffectiveLevel()
+            elastic_launch(config, _rank_main)(fn, args, list(devices), lines, tmp, level)
+        except ChildFailedError as e:
+            raise _failure(e, Path(tmp), devices, crash_hint) from None
+        except SignalException as e:
+            received = e.sigval
+    if received is not None:  # the ranks are stopped and our handlers are back: react as we would have
+        signal.raise_signal(received)
+
+
+class _Lines:
+    """A rank's `echo`: each line goes through a pipe to the parent."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def __call__(self, line: str) -> None:
+        self.queue.put(line)
+
+
+@contextlib.contextmanager
+def _lines_to(echo: Callable[[str], None]) -> Iterator[_Lines]:
+    """A `_Lines` for the ranks, and a thread here handing what they send to `echo`, in order."""
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+
+    def pump() -> None:
+        while (line := queue.get()) is not None:
+            try:
+                echo(line)
+            except Exception:  # keep draining: a rank must never block on a full pipe
+                log.exception("could not show a line from rank 0: %s", line)
+
+    thread = threading.Thread(target=pump, name="rank-lines", daemon=True)
+    thread.start()
+    try:
+        yield _Lines(queue)
+    finally:  # every rank has exited, so all it sent is in the pipe, ahead of the end mark
+        queue.put(None)
+        thread.join(timeout=10)
+        queue.close()
+
+
+def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torch.device], echo: _Lines,
+               reports: str, log_level: int) -> None:
+    """A launched rank: the parent's logging with the rank in front, its device, a report if it fails."""
+    rank = int(os.environ["RANK"])
+    setup_logging(log_level, prefix=f"[rank {rank}] ")
+    signal.signal(signal.SIGINT, _interrupted)
+    folder = Path(reports)
+    device = devices[int(os.environ["LOCAL_RANK"])]
+    if device.type == "cpu":  # ranks sharing the CPU split its cores, instead of each spinning on all of them
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sum(d.type == "cpu" for d in devices)))
+    try:
+        fn(*args, device=device, echo=echo)
+    except UserError as e:
+        Report(rank, True, str(e), time.time()).write(folder)
+        raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:  # the parent says so
+        raise SystemExit(130) from None
+    except Exception as e:
+        if Report.read_all(folder):  # another rank failed first and took the collectives down with it
+            log.debug("rank %d stopped after another rank failed: %s", rank, e)
+            raise SystemExit(1) from None
+        log.exception("rank %d failed", rank)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        Report(rank, False, f"{type(e).__name__}: {first_line}".rstrip(": "), time.time()).write(folder)
+        raise SystemExit(1) from None
+
+
+def _interrupted(_signum: int, _frame: object) -> None:
+    """Ctrl-C reaches a rank twice, from the terminal and then from the parent stopping it: the
+    first one unwinds (finishing the segments being written), the second must not interrupt that."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _failure(error: ChildFailedError, reports: Path, devices: Sequence[torch.device], crash_hint: str) -> RankFailed:
+    """The one line that says which rank failed first and why."""
+    hint = f"; {crash_hint}" if crash_hint else ""
+    found = Report.read_all(reports)
+    if found:
+        first = found[0]
+        if first.user_error:
+            return RankFailed(first.message)
+        return RankFailed(f"rank {first.rank} on {devices[first.rank]} failed with {first.message} "
+                          f"(traceback above){hint}")
+    rank, failure = error.get_first_failure()
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {failure.exitcode}"
+    where = f" on {devices[rank]}" if 0 <= rank < len(devices) else ""
+    return RankFailed(f"rank {rank}{where} {how}{hint}")
+
+
+def _handler(name: str) -> Any:
+    return signal.getsignal(getattr(signal, name))
+
+
+@contextlib.contextmanager
+def _parent_state_kept(handled: list[str]) -> Iterator[None]:
+    """Undo what elastic does to this process: its signal handlers, its environment variables and
+    (unless debugging) its failure logging, which would show tracebacks for a user's mistake."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {name: h for name in handled if (h := _handler(name)) is not None} if main_thread else {}
+    environ = dict(os.environ)
+    quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
+    levels = _silence_elastic() if quiet else {}
+    try:
+        yield
+    finally:
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _silence_elastic() -> dict[str, int]:
+    """Raise elastic's loggers above CRITICAL (the parents too, for those made later); returns their
+    levels before."""
+    existing = [name for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)]
+    names = {*_ELASTIC_LOGGERS, *(n for n in existing if n.startswith(tuple(f"{p}." for p in _ELASTIC_LOGGERS)))}
+    before = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    return before

@@ -1,0 +1,220 @@
+"""The launcher on the CPU: ranks started by torch's elastic launcher with gloo, as on GPUs.
+
+Functions a launched rank runs are defined at module level: spawned processes import them by name.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from dflash_cache.cli import cli
+from dflash_cache.errors import UserError
+from dflash_cache.extract import run
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.launch import RankFailed, launch
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
+from dflash_cache.store.segments import read_records
+from tests.conftest import extract_config
+
+REPO = Path(__file__).resolve().parents[2]
+TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
+Echo = Callable[[str], None]
+DISK_FULL = "disk full while writing to the cache; free space and run the same command again"
+
+
+def sample_ids(root: Path) -> list[int]:
+    return sorted(s for r in read_records(root) for s in r.sample_ids)
+
+
+def note_device(folder: str, *, device: torch.device, echo: Echo) -> None:
+    """A rank that writes down what it was given and joins the others, as extraction ranks do."""
+    dist.init_process_group("gloo")
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    (Path(folder) / f"rank-{dist.get_rank()}").write_text(f"{device} {env}")
+    echo(f"rank {dist.get_rank()} says hello")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_1_fails(kind: str, *, device: torch.device, echo: Echo) -> None:
+    """Rank 1 fails as `kind` says; rank 0 would work for a minute ('user') or waits for rank 1 ('bug')."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise UserError(DISK_FULL) if kind == "user" else RuntimeError("simulated bug\nsecond line of its message")
+    if kind == "user":
+        time.sleep(60)
+    dist.barrier()  # fails when rank 1 dies: an error of rank 0's own that must not be reported
+
+
+def rank_1_out_of_disk(cfg: ExtractConfig, *, device: torch.device, echo: Echo) -> None:
+    """An extraction rank whose disk fills after its first segment on rank 1."""
+    if os.environ["RANK"] == "1":
+        import dflash_cache.store.writer as writer
+
+        real, calls = writer.write_array, itertools.count()
+
+        def failing(*args, **kwargs):
+            if next(calls) >= 6:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*args, **kwargs)
+
+        writer.write_array = failing
+    run.extract_rank(cfg, device=device, echo=echo)
+
+
+def test_each_rank_gets_its_device_and_the_parent_is_left_as_it_was(tmp_path):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    environ = dict(os.environ)
+    said = []
+    launch(note_device, (str(tmp_path),), [torch.device("cpu", 1), torch.device("cpu", 0)], echo=said.append)
+    assert sorted(said) == ["rank 0 says hello", "rank 1 says hello"]
+    got = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert got["rank-0"].startswith("cpu:1 ") and got["rank-1"].startswith("cpu:0 ")
+    assert "'LOCAL_RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR'" in got["rank-1"]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert dict(os.environ) == environ
+
+
+def test_a_rank_user_error_stops_the_others_and_comes_back_as_its_one_line(capfd):
+    t0 = time.perf_counter()
+    with pytest.raises(RankFailed) as failed:
+        launch(rank_1_fails, ("user",), TWO_CPUS, crash_hint="never shown for a UserError")
+    assert time.perf_counter() - t0 < 30, "rank 0 was not stopped"
+    assert str(failed.value) == DISK_FULL and isinstance(failed.value, UserError)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "failed (exitcode" not in err, err
+
+
+def test_an_unexpected_exception_shows_its_traceback_then_one_line(capfd):
+    with pytest.raises(RankFailed) as failed:
+        launch(rank_1_fails, ("bug",), TWO_CPUS, crash_hint="run it again")
+    assert str(failed.value) == ("rank 1 on cpu failed with RuntimeError: simulated bug (traceback above); "
+                                 "run it again")
+    err = capfd.readouterr().err
+    assert "[rank 1] " in err and "Traceback" in err and "RuntimeError: simulated bug" in err, err
+    assert "[rank 0] " not in err, "rank 0 was stopped by rank 1's failure: that is not an error of its own"
+
+
+def test_two_launched_cpu_ranks_extract_the_exact_cache(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    said = []
+    run.extract_on(extract_config(small_parquet, out), TWO_CPUS, echo=said.append)
+    assert said[0].startswith("Batches per epoch: 9") and said[1] == "0 of 9 segments already committed; 9 to extract"
+    assert said[2].startswith("complete: 9/9 segments") and len(said) == 3
+    records = read_records(out)
+    assert {r.rank for r in records} == {0, 1} and all(r.unit % 2 == r.rank for r in records)
+    assert sample_ids(out) == list(range(48))
+    reader = CacheReader(out)
+    assert reader.complete and not verify(reader)
+
+
+def test_a_rank_out_of_disk_ends_the_run_in_one_line_and_a_rerun_resumes(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    cfg = extract_config(small_parquet, out, writers=1)
+    with pytest.raises(RankFailed) as failed:
+        launch(rank_1_out_of_disk, (cfg,), TWO_CPUS, echo=lambda _: None, crash_hint=run.RESUME_HINT)
+    assert str(failed.value).startswith("disk full while writing to") and "\n" not in str(failed.value)
+    partial = sample_ids(out)
+    assert 0 < len(partial) < 48 and len(partial) == len(set(partial))
+    assert not verify(CacheReader(out)), "a stopped rank must leave only whole, committed segments visible"
+    run.extract(cfg, "cpu", echo=lambda *_: None)
+    assert sample_ids(out) == list(range(48))
+    reader = CacheReader(out)
+    assert reader.complete and not verify(reader)
+
+
+def test_bad_data_found_by_rank_0_is_one_error_line_from_the_cli(tmp_path, monkeypatch, capfd):
+    data = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1]]}), data)
+    monkeypatch.setattr(run, "gpu_devices", lambda _spec: TWO_CPUS)
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["extract", "--model", "tiny", "--data", str(data), "--out", str(out), "--gpus", "all"])
+    assert r.exit_code == 2, r.output
+    assert [line for line in r.output.splitlines() if line.startswith("Error:")] == [r.output.strip()]
+    assert "length" in r.output
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert not out.exists()
+
+
+def slow_extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Echo) -> None:
+    """An extraction rank that takes its time over each array it writes, so it can be interrupted."""
+    import dflash_cache.store.writer as writer
+
+    real = writer.write_array
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    writer.write_array = slow
+    run.extract_rank(cfg, device=device, echo=echo)
+
+
+INTERRUPTIBLE = """
+import signal, sys, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our runner ignores it
+from dflash_cache.extract import run
+from dflash_cache.extract.config import ExtractConfig
+from tests.extract.test_launch import slow_extract_rank
+run.gpu_devices = lambda _spec: [torch.device("cpu")] * 2
+run.extract_rank = slow_extract_rank
+from dflash_cache.cli import cli
+cli(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_stops_every_rank_and_a_rerun_resumes(small_parquet, tmp_path):
+    out = tmp_path / "c"
+    args = ["extract", "--model", "tiny", "--data", str(small_parquet), "--out", str(out), "--token-budget", "1024",
+            "--max-rows", "8", "--unit-rows", "16", "--buckets", "0,32,64", "--no-progress", "--writers", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, *args, "--gpus", "all"], cwd=REPO,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "commits").is_dir() and len(list((out / "commits").glob("*.json"))) >= 2:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "extraction finished before it could be interrupted; make it slower"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: signal the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err.rstrip().endswith("Aborted!"), err
+    assert "Traceback" not in err, err
+    assert _group_ends(proc.pid), "a rank outlived the interrupted run"
+    partial = sample_ids(out)
+    assert 0 < len(partial) < 48 and len(partial) == len(set(partial))
+    assert not verify(CacheReader(out))
+    committed = len(read_records(out))
+    r = CliRunner().invoke(cli, [*args, "--gpus", "cpu"], catch_exceptions=False)
+    assert r.exit_code == 0 and f"{committed} of 9 segments already committed" in r.output, r.output
+    assert sample_ids(out) == list(range(48))
+    reader = CacheReader(out)
+    assert reader.complete and not verify(reader)
+
+
+def _group_ends(pgid: int, timeout: float = 10) -> bool:
+    """Whether every process of the group has exited within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
