@@ -1,7 +1,7 @@
 """Multi-GPU benchmark (several GPUs of one host), run through the CLI exactly as a user would.
 
-Each stage can run on its own (`--stage extract|train|live`, reusing --out and --json), so each fits
-one 10-minute call of a lent GPU machine; `train` and `live` need the cache `extract` made.
+Each stage can run on its own (`--stage extract|train|live`, reusing --out and --json), a few minutes
+each; `train` and `live` need the cache `extract` made.
 
 1. `extract --gpus 0` against `extract --gpus all` (N launched ranks) on the same data:
    throughput of the extraction itself (each rank logs its tokens and seconds, model loading
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=800_000)
     ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
     ap.add_argument("--stage", choices=["all", *STAGES], default="all",
-                    help="run one stage (each fits one 10-minute call; later stages reuse --out and --json)")
+                    help="run one stage (later stages reuse --out and --json)")
     add_common_args(ap, "/tmp/dflash-bench-multi")
     args = ap.parse_args()
     out = Path(args.out)

@@ -23,10 +23,10 @@ import pyarrow.compute as pc
 from dflash_cache.errors import UserError
 from dflash_cache.extract.dataset_formats import ArrowSource, Source, open_source
 from dflash_cache.files import hash_ends
+from dflash_cache.store.batch import IGNORE_INDEX
 
 __all__ = ["DatasetScan", "Row", "TokenizedDataset", "from_table", "open_dataset"]
 
-IGNORE_INDEX = -100
 OVERLONG_POLICIES = ("truncate", "skip")
 _CHUNK_ROWS = 4096  # rows validated at once; bounds temporary memory per step
 _INT32_MAX = np.iinfo(np.int32).max

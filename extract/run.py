@@ -2,7 +2,8 @@
 
 Every rank runs `extract_rank`, whoever started it: rank 0 validates and plans, takes the cache
 lock, creates or reopens the cache and tells the other ranks whether that worked; then each rank
-extracts the missing segments of its work units, and rank 0 rewrites the index from the commits.
+extracts its share of the missing segments (`store.plan.deal`: about the same forward work on
+every rank, whatever the size of the data), and rank 0 rewrites the index from the commits.
 One device runs it in this process as the only rank. Several (`--gpus all`, `--gpus 0,2,3`) are
 started as one rank each by torch's elastic launcher (`dflash_cache.extract.launch`), which gives
 them exactly the environment torchrun gives its ranks, so both run the same code.
@@ -29,8 +30,7 @@ from dflash_cache.extract.target import TargetDescription, describe_target, load
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.manifest import read_manifest
-from dflash_cache.store.plan import read_plan
-from dflash_cache.store.segments import read_records, segment_name
+from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.writer import finish_cache
 
 log = logging.getLogger(__name__)
@@ -121,37 +121,40 @@ def _open_cache(cfg: ExtractConfig, rank: int, world: int, echo: Callable[[str],
     wait for its word, then read the plan from the cache. Returns the job and the committed segments."""
     if rank != 0:
         target = describe_target(cfg.target)  # meanwhile rank 0 plans, which can take a while
-        error = _word_of_rank_0(world, None)
+        error, committed = _word_of_rank_0(world, None, set())
         if error is not None:
             raise UserError(error)
-        job = job_from_cache(cfg, target)
-        return job, {r.name for r in read_records(job.root)}
+        return job_from_cache(cfg, target), committed
     try:
         job = plan_job(cfg)
         echo(job.plan.summary())
         stack.enter_context(CacheLock(job.root))
         committed = open_or_create(job)
     except UserError as e:
-        _word_of_rank_0(world, str(e))
+        _word_of_rank_0(world, str(e), set())
         raise
-    _word_of_rank_0(world, None)
-    todo = sum(segment_name(b.unit, b.batch) not in committed for b in job.plan.batches)
-    echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; {todo} to extract")
+    _word_of_rank_0(world, None, committed)
+    todo = len(job.plan.missing(committed))
+    echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; {todo} to extract"
+         + (f" on {world} ranks" if world > 1 else ""))
     return job, committed
 
 
-def _word_of_rank_0(world: int, error: str | None) -> str | None:
-    """Rank 0's error message, or None if the cache is ready, as every rank receives it."""
+def _word_of_rank_0(world: int, error: str | None, committed: set[str]) -> tuple[str | None, set[str]]:
+    """Rank 0's error message (None if the cache is ready) and the segments committed when it
+    opened the cache, as every rank receives them: the work is dealt from that one set, so no
+    segment is given to two ranks even if a rank read the commits at another moment."""
     if world == 1:
-        return error
-    word = [error]
+        return error, committed
+    word = [(error, sorted(committed))]
     dist.broadcast_object_list(word, src=0)
-    return word[0]
+    error, names = word[0]
+    return error, set(names)
 
 
 def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: torch.device) -> None:
     cfg = job.config
-    batches = [b for b in job.plan.for_rank(rank, world) if segment_name(b.unit, b.batch) not in committed]
+    batches = deal(job.plan.missing(committed), world)[rank]
     if not batches:
         log.info("rank %d: nothing to do", rank)
         return

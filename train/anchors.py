@@ -31,9 +31,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
+from dflash_cache.store.batch import IGNORE_INDEX, PackedBatch, positions_from_cu_seqlens
 
-IGNORE_INDEX = -100
 DEFAULT_NUM_ANCHORS = 512
 
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -149,4 +148,4 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
                   position_ids=position_ids, labels=labels, weights=weights, block_size=B)
 
 
-__all__ = ["DEFAULT_NUM_ANCHORS", "IGNORE_INDEX", "Blocks", "default_gamma", "sample_anchors"]
+__all__ = ["DEFAULT_NUM_ANCHORS", "Blocks", "default_gamma", "sample_anchors"]

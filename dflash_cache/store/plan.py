@@ -2,14 +2,15 @@
 
 A `Plan` is a list of `PlannedBatch`es: which dataset rows (in order) go into each future segment,
 named by (unit, batch). `dflash_cache.extract.planning` makes plans; this module is the only one
-that reads or writes plan.parquet, so extraction workers, the live tee and `inspect` need neither
+that reads or writes plan.parquet, so extraction's ranks, the live tee and `inspect` need neither
 the dataset nor the planner to know what a cache should hold.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from dflash_cache.files import write_parquet_atomic
 from dflash_cache.options import check_options, option
 from dflash_cache.store.manifest import Manifest, PlanParams
 from dflash_cache.store.reader import read_parquet
+from dflash_cache.store.segments import segment_name
 
 PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
 DEFAULT_BUCKETS = (0, 770, 1216, 1728, 2432, 3296)
@@ -62,6 +64,11 @@ class PlannedBatch:
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
 
+    @property
+    def padded_tokens(self) -> int:
+        """What the target's forward costs: rows x the longest row (the batch is padded to it)."""
+        return len(self.lengths) * int(self.lengths.max(initial=0))
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -91,9 +98,9 @@ class Plan:
             num_samples=self.num_samples, num_tokens=self.num_tokens,
         )
 
-    def for_rank(self, rank: int, world: int) -> Iterator[PlannedBatch]:
-        """Whole units go to one rank (unit % world == rank) so each rank reads contiguous rows."""
-        return (b for b in self.batches if b.unit % world == rank)
+    def missing(self, committed: set[str]) -> list[PlannedBatch]:
+        """The planned batches whose segments are not committed, in plan order."""
+        return [b for b in self.batches if segment_name(b.unit, b.batch) not in committed]
 
     def summary(self) -> str:
         """The plan as printed at start: batch count, rows per batch, and the bucket table."""
@@ -114,6 +121,26 @@ def bucket_table(bounds: list[int] | tuple[int, ...], counts: list[int], noun: s
         hi = bounds[i + 1] if i + 1 < len(bounds) else "inf"
         lines.append(f"  Bucket {i} [{lo:>{width}}, {hi}): {counts[i]:>6} {noun} ({100 * counts[i] / total:5.1f}%)")
     return lines
+
+
+def deal(batches: Sequence[PlannedBatch], world: int) -> list[list[PlannedBatch]]:
+    """Share `batches` out over `world` ranks so their forward work is even, whatever the data's size.
+
+    Largest batch first, each to the rank with the least padded tokens so far (ties: the lowest
+    rank); each share is then put back in plan order, so a rank reads the dataset front to back.
+    Every rank computes the same shares from the same plan and the same committed set, and a resume
+    with another rank count simply deals what is still missing.
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1, got {world}")
+    order = sorted(range(len(batches)), key=lambda i: (-batches[i].padded_tokens, i))
+    loads = [(0, rank) for rank in range(world)]  # a heap of (padded tokens, rank)
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for i in order:
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(i)
+        heapq.heappush(loads, (load + batches[i].padded_tokens, rank))
+    return [[batches[i] for i in sorted(share)] for share in shares]
 
 
 PLAN_COLUMNS = ("row", "unit", "batch", "bucket", "length")

@@ -27,9 +27,11 @@ from dflash_cache.errors import UserError
 from dflash_cache.extract import run
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.launch import RankFailed, launch
+from dflash_cache.store.manifest import read_manifest
+from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
-from dflash_cache.store.segments import read_records
+from dflash_cache.store.segments import read_records, segment_name
 from tests.conftest import extract_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,10 +117,13 @@ def test_two_launched_cpu_ranks_extract_the_exact_cache(small_parquet, tmp_path)
     out = tmp_path / "c"
     said = []
     run.extract_on(extract_config(small_parquet, out), TWO_CPUS, echo=said.append)
-    assert said[0].startswith("Batches per epoch: 9") and said[1] == "0 of 9 segments already committed; 9 to extract"
+    assert said[0].startswith("Batches per epoch: 9")
+    assert said[1] == "0 of 9 segments already committed; 9 to extract on 2 ranks"
     assert said[2].startswith("complete: 9/9 segments") and len(said) == 3
     records = read_records(out)
-    assert {r.rank for r in records} == {0, 1} and all(r.unit % 2 == r.rank for r in records)
+    plan = read_plan(out, read_manifest(out))
+    dealt = {segment_name(b.unit, b.batch): rank for rank, share in enumerate(deal(plan.batches, 2)) for b in share}
+    assert {r.rank for r in records} == {0, 1} and all(dealt[r.name] == r.rank for r in records)
     assert sample_ids(out) == list(range(48))
     reader = CacheReader(out)
     assert reader.complete and not verify(reader)

@@ -5,7 +5,8 @@ import pytest
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.planning import make_plan
-from dflash_cache.store.plan import PlanConfig, plan_from_columns
+from dflash_cache.store.plan import PlanConfig, deal, plan_from_columns
+from dflash_cache.store.segments import segment_name
 
 
 def _plan(lengths, keep=None, **kw):
@@ -41,10 +42,38 @@ def test_plan_is_deterministic_and_independent_of_ranks():
     b = _plan(lengths, unit_rows=100, token_budget=2000)
     assert [(x.unit, x.batch, x.rows.tolist()) for x in a.batches] == [(x.unit, x.batch, x.rows.tolist()) for x in b.batches]
     for world in (1, 2, 3, 8):
-        shares = [list(a.for_rank(r, world)) for r in range(world)]
+        shares = deal(a.batches, world)
         names = [(x.unit, x.batch) for s in shares for x in s]
         assert sorted(names) == sorted((x.unit, x.batch) for x in a.batches)
         assert len(names) == len(set(names))
+        again = deal(b.batches, world)
+        assert [[(x.unit, x.batch) for x in s] for s in shares] == [[(x.unit, x.batch) for x in s] for s in again]
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_dealt_shares_carry_even_work_in_plan_order(world):
+    lengths = np.random.default_rng(4).integers(1, 3000, size=3000)
+    plan = _plan(lengths, unit_rows=1000, token_budget=8192, max_rows=16)
+    shares = deal(plan.batches, world)
+    loads = [sum(b.padded_tokens for b in s) for s in shares]
+    assert max(loads) - min(loads) <= max(b.padded_tokens for b in plan.batches)
+    assert max(loads) / min(loads) < 1.01, loads
+    position = {(b.unit, b.batch): i for i, b in enumerate(plan.batches)}
+    for share in shares:
+        assert [position[(b.unit, b.batch)] for b in share] == sorted(position[(b.unit, b.batch)] for b in share)
+
+
+def test_a_dataset_of_one_work_unit_still_splits_over_every_rank():
+    plan = _plan(np.full(64, 100), unit_rows=4096, token_budget=800, max_rows=8)
+    assert plan.num_units == 1 and len(plan.batches) == 8
+    assert [len(s) for s in deal(plan.batches, 2)] == [4, 4]
+    assert [len(s) for s in deal(plan.batches, 3)] == [3, 3, 2]
+
+
+def test_what_is_dealt_is_only_what_is_missing():
+    plan = _plan(np.full(64, 100), unit_rows=4096, token_budget=800, max_rows=8)
+    done = {segment_name(b.unit, b.batch) for b in plan.batches[:5]}
+    assert [b.batch for b in plan.missing(done)] == [5, 6, 7]
 
 
 def test_row_longer_than_budget_gets_its_own_batch():

@@ -22,9 +22,11 @@ from dflash_cache.cli import cli
 from dflash_cache.extract.job import open_or_create, plan_job
 from dflash_cache.extract.run import extract, run_rank
 from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.manifest import read_manifest
+from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
-from dflash_cache.store.segments import read_records
+from dflash_cache.store.segments import read_records, segment_name
 from tests.conftest import extract_config, random_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +72,8 @@ def test_resume_with_another_rank_count(small_parquet, tmp_path):
         run_rank(job, committed, rank=0, world=2, device=torch.device("cpu"))
     half = sample_ids(job.root)
     assert 0 < len(half) < 48
-    assert {r.unit % 2 for r in read_records(job.root)} == {0}
+    assert {r.name for r in read_records(job.root)} == {segment_name(b.unit, b.batch)
+                                                        for b in deal(job.plan.batches, 2)[0]}
     extract(cfg, "cpu", echo=lambda *_: None)
     assert sample_ids(job.root) == list(range(48))
     assert not verify(CacheReader(job.root))
@@ -201,7 +204,9 @@ def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
     assert {r.rank for r in records} == {0, 1}
     assert sample_ids(out) == list(range(48))
     assert not verify(CacheReader(out))
-    assert np.all([r.unit % 2 == r.rank for r in records])
+    plan = read_plan(out, read_manifest(out))
+    dealt = {segment_name(b.unit, b.batch): rank for rank, share in enumerate(deal(plan.batches, 2)) for b in share}
+    assert all(dealt[r.name] == r.rank for r in records)
 
 
 def test_packing_drops_and_adds_no_token(small_parquet, tmp_path):
