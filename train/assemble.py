@@ -104,8 +104,8 @@ def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, pr
     if live.write_cache:
         from dflash_cache.train.tee import CacheTee
 
-        tee = CacheTee(out=live.write_cache, codec=live.write_codec, target=target, data=live.data,
-                       limit=live.limit, dataset=dataset, scan=scan, table=table, source_config=source_config(cfg),
+        tee = CacheTee(out=live.write_cache, codec=live.write_codec, target=target,
+                       dataset=dataset, table=table, source_config=source_config(cfg),
                        bucket_bounds=DEFAULT_BUCKETS, max_len=live.max_len, overlong=live.overlong,
                        rank=rank, world=world)
     source = LiveSource(dataset=dataset, table=table, config=source_config(cfg), captures=captures,

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset
+from dflash_cache.extract.dataset import TokenizedDataset
 from dflash_cache.extract.job import build_manifest
 from dflash_cache.extract.target import TargetDescription
 from dflash_cache.store.batch import HostBatch, PackedBatch
@@ -54,10 +54,7 @@ class CacheTee:
 
     def __init__(self, *, out: str, codec: str, target: TargetDescription, dataset: TokenizedDataset,
                  table: SampleTable, source_config: SourceConfig, bucket_bounds: tuple[int, ...],
-                 max_len: int | None, overlong: str, rank: int, world: int, data: str | None = None,
-                 limit: int | None = None, scan: DatasetScan | None = None) -> None:
-        """`data`, `limit` and `scan` are not needed (the manifest comes from `dataset`); they are
-        accepted while callers still pass them."""
+                 max_len: int | None, overlong: str, rank: int, world: int) -> None:
         self.root, self.rank, self.world = Path(out), rank, world
         self.codec = get_codec(codec)
         self.n_layers = len(target.layer_ids)
