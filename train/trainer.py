@@ -286,6 +286,7 @@ class Trainer:
             self.source.close()
         if window:
             last, _ = self._log(window, tok_window, metrics_path, False)
+        self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         self.save()
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
@@ -231,3 +232,11 @@ def test_unwritable_out_fails_before_set_up(demo_cache, tmp_path):
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out",
                                  str(blocker / "run"), "--max-steps", "1", "--device", "cpu", "--no-progress"])
     assert r.exit_code == 2 and "cannot be written" in r.output, r.output
+
+
+def test_a_run_shorter_than_the_profile_interval_still_reports_its_stages(demo_cache, tmp_path, caplog):
+    cfg = demo_train_config(demo_cache, tmp_path / "run", max_steps=2, profile_interval=3600.0)
+    with caplog.at_level("INFO", logger="dflash_cache.profiler"):
+        Trainer.build(cfg, device=torch.device("cpu")).fit()
+    reports = [m for m in caplog.messages if "drafter.forward" in m]
+    assert len(reports) == 1 and "n=2" in reports[0], caplog.messages
