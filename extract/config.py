@@ -27,6 +27,9 @@ class ExtractConfig:
                            help="What --max-len does to longer rows (both are counted and reported).")
     plan: PlanConfig = field(default_factory=PlanConfig)
     overwrite: bool = option(False, help="Delete an existing cache at --out and start over.")
+    dry_run: bool = option(False, help="Write nothing to --out: print the plan, the committed segments, the expected "
+                                       "cache size and time (measured by extracting a few planned batches into a "
+                                       "temporary directory on one device) and --out's free space.")
     writers: int = option(4, min=1, help="Threads compressing and writing segments.")
     prefetch: int = option(2, min=1, help="Batches read ahead of the forward.")
     profile_interval: float | None = option(None, min=0, min_open=True, help=INTERVAL_HELP)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.dry_run import dry_run
 from dflash_cache.extract.job import Job, open_data, open_or_create, plan_job
 from dflash_cache.extract.launch import launch
 from dflash_cache.extract.pipeline import RankExtractor
@@ -71,8 +72,13 @@ def torchrun_env() -> tuple[int, int] | None:
 def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] = log.info) -> None:
     """The whole job. `echo` shows the plan and the result (logged by default; the CLI passes click.echo).
 
-    Under torchrun each rank runs its share; otherwise `gpus` picks the devices."""
+    Under torchrun each rank runs its share; otherwise `gpus` picks the devices. A dry run
+    (`cfg.dry_run`) measures a sample on one device and writes nothing to --out."""
     ranks = torchrun_env()
+    if cfg.dry_run:
+        if ranks is None or ranks[0] == 0:  # under torchrun, rank 0 answers for the world's devices
+            dry_run(cfg, gpu_devices(gpus) if ranks is None else [_torchrun_device()] * ranks[1], echo)
+        return
     if ranks is not None and ranks[1] > 1:
         extract_rank(cfg, device=_torchrun_device(), echo=echo)
         return

@@ -66,9 +66,9 @@ def open_or_create(root: Path, manifest: Manifest, plan: Plan, *, overwrite: boo
     so it is made again from the start, with or without `overwrite`."""
     is_cache = (root / MANIFEST_FILE).is_file()
     if is_cache and not overwrite:
-        _check_matches(root, manifest)
+        check_matches(root, manifest)
         _reopen(root)
-    elif is_cache or is_half_made(root) or not _foreign_entries(root):
+    elif is_cache or is_half_made(root) or not foreign_entries(root):
         if is_half_made(root):
             log.info("%s: its creation was interrupted; making it again", root)
         _create(root, plan, manifest)
@@ -81,7 +81,8 @@ def open_or_create(root: Path, manifest: Manifest, plan: Plan, *, overwrite: boo
     return committed
 
 
-def _check_matches(root: Path, wanted: Manifest) -> None:
+def check_matches(root: Path, wanted: Manifest) -> None:
+    """UserError unless the cache at `root` was made as `wanted` says (read-only: a dry run asks too)."""
     diff = mismatches(read_manifest(root), wanted)
     if diff:
         shown = "; ".join(f"{field}: cache has {old!r}, this run has {new!r}" for field, old, new in diff[:3])
@@ -97,7 +98,7 @@ def _ours(name: str) -> bool:
     return name in _CACHE_ENTRIES or (name.endswith(TMP_SUFFIX) and name.split(".")[0] in _CACHE_STEMS)
 
 
-def _foreign_entries(root: Path) -> bool:
+def foreign_entries(root: Path) -> bool:
     """Whether `root` holds anything besides lock files (a new or empty directory holds nothing)."""
     return root.exists() and any(not p.name.startswith(LOCK_FILE) for p in root.iterdir())
 
