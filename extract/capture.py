@@ -15,7 +15,10 @@ from dflash_cache.extract.target import decoder_of
 
 
 def prebuilt_mask_ok(config) -> bool:
-    """Whether we may hand SDPA our own 4-D mask: SDPA attention and no sliding-window layers."""
+    """Whether we may hand SDPA our own 4-D mask: SDPA attention and every layer full attention.
+
+    Sliding-window layers need Hugging Face's windowed masks and linear-attention (Gated DeltaNet)
+    layers read the 2-D padding mask, so hybrid and alternating targets get the 2-D mask."""
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     return impl == "sdpa" and all(t == "full_attention" for t in layer_types)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                          "_attn_implementation", "_attn_implementation_autoset", "architectures",
                          "_commit_hash", "output_hidden_states", "return_dict"}
+
+
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet layers of hybrid decoders (Qwen3-Next, Qwen3.5)
+HYBRID_KERNELS = ("fla", "causal_conv1d")  # without them transformers runs those layers in plain torch
+HYBRID_INSTALL = "pip install 'dflash-cache[hybrid]'"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -106,7 +114,8 @@ class TargetSpec:
 
 @dataclass
 class TargetDescription:
-    """A target resolved from its config alone (no weights): identity and layer ids."""
+    """A target resolved from its config alone (no weights): identity and layer ids. `config` is the
+    decoder's (a multimodal checkpoint's text config), the one every size is read from."""
 
     spec: TargetSpec
     config: object
@@ -122,6 +131,30 @@ class TargetDescription:
         """Longest sequence the target is built for (its config's max_position_embeddings), if given."""
         n = getattr(self.config, "max_position_embeddings", None)
         return n if isinstance(n, int) and n > 0 else None
+
+
+def text_config(config):
+    """The decoder's config: a multimodal wrapper's `text_config` (Qwen3.5 publishes its text models
+    as image-text checkpoints), else the config itself. Only the language model is ever built."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def has_linear_attention(config) -> bool:
+    return LINEAR_ATTENTION in (getattr(config, "layer_types", None) or ())
+
+
+def warn_if_slow_hybrid(config, device: torch.device) -> bool:
+    """Warn once per load when a hybrid target will run its linear-attention layers in plain torch on
+    a GPU (correct but many times slower); returns whether it warned."""
+    if device.type != "cuda" or not has_linear_attention(config):
+        return False
+    missing = [name for name in HYBRID_KERNELS if importlib.util.find_spec(name) is None]
+    if not missing:
+        return False
+    log.warning("the target's linear-attention layers will run without fast kernels (%s not installed); "
+                "install them with: %s", ", ".join(missing), HYBRID_INSTALL)
+    return True
 
 
 def _load_config(name: str, trust_remote_code: bool):
@@ -144,7 +177,7 @@ def _load_config(name: str, trust_remote_code: bool):
 def describe_target(spec: TargetSpec) -> TargetDescription:
     """Resolve layer ids and the target's identity from its config; cheap, loads no weights."""
     dtype = parse_dtype(spec.dtype)
-    config = _load_config(spec.model, spec.trust_remote_code)
+    config = text_config(_load_config(spec.model, spec.trust_remote_code))
     total = int(config.num_hidden_layers)
     layer_ids = check_layers(list(spec.layers), total) if spec.layers else select_layers(total, spec.num_layers)
     identity = TargetIdentity(
@@ -168,19 +201,8 @@ def load_target(desc: TargetDescription, device: torch.device, keep: int | None 
     if desc.spec.model == TINY:
         model = build_tiny_target(keep)
     else:
-        from transformers import AutoModelForCausalLM
-
-        config = copy.deepcopy(desc.config)
-        config.num_hidden_layers = keep
-        if isinstance(getattr(config, "layer_types", None), list):
-            config.layer_types = config.layer_types[:keep]
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                desc.spec.model, config=config, dtype=dtype,
-                trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
-            )
-        except Exception as e:
-            raise UserError(f"--model {desc.spec.model}: cannot load weights ({type(e).__name__}: {e})") from None
+        model = _load_language_model(desc, keep, dtype)
+    warn_if_slow_hybrid(desc.config, device)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     if keep == 0:  # the trainer needs only the embedding and the LM head
@@ -188,6 +210,44 @@ def load_target(desc: TargetDescription, device: torch.device, keep: int | None 
     else:
         log.info("target %s: %d of %d layers kept, capturing %s", desc.identity.name, keep,
                  desc.identity.num_hidden_layers, desc.layer_ids)
+    return model
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Transformers' warnings off for the block (missing weights are checked by the caller instead)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of the (text) config cut to `keep` layers. For a multimodal checkpoint that is the
+    text-only class (e.g. Qwen3_5ForCausalLM), whose transformers conversion maps the wrapper's
+    weight names and skips the vision tower; a weight left unloaded is refused, never left random."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(desc.config)
+    config.num_hidden_layers = keep
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:keep]
+    try:
+        with _quiet_transformers():  # its report lists every weight of the layers cut away as unexpected
+            model, info = AutoModelForCausalLM.from_pretrained(
+                desc.spec.model, config=config, dtype=dtype, output_loading_info=True,
+                trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
+            )
+    except Exception as e:
+        raise UserError(f"--model {desc.spec.model}: cannot load weights ({type(e).__name__}: {e})") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise UserError(f"--model {desc.spec.model}: {len(missing)} weights of {type(model).__name__} are not in "
+                        f"the checkpoint (first: {missing[0]}); this checkpoint layout is not supported")
     return model
 
 

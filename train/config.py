@@ -12,20 +12,33 @@ QWEN3_MASK_TOKEN_ID = 151669  # an unused row of Qwen3's embedding (the public D
 
 
 def target_rope_theta(target_config) -> float:
-    """RoPE theta of a Qwen3-like config: transformers 5 keeps it in `rope_parameters`, 4.x in `rope_theta`."""
+    """The base RoPE theta of the target (transformers 5 keeps it in `rope_parameters`, 4.x in `rope_theta`).
+
+    The drafter always uses plain ('default') RoPE at this base, even when the target scales its RoPE
+    (Llama 3's 'llama3', gpt-oss's 'yarn'): the drafter is trained from scratch and never reuses the
+    target's attention weights, so its RoPE only has to agree between training and serving; scaling
+    schemes exist to stretch a model past the context it was pre-trained on, and the drafter's context
+    is the one it is trained on. Plain RoPE also keeps the exported drafter servable everywhere.
+    """
     params = getattr(target_config, "rope_parameters", None)
     if isinstance(params, dict) and params.get("rope_theta") is not None:
-        rope_type = params.get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"target rope_type {rope_type!r} is not supported (only 'default')")
         return float(params["rope_theta"])
-    scaling = getattr(target_config, "rope_scaling", None)
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"target rope_scaling {scaling!r} is not supported (only default RoPE)")
     theta = getattr(target_config, "rope_theta", None)
     if theta is None:
         raise ValueError("target config has neither rope_parameters['rope_theta'] nor rope_theta")
     return float(theta)
+
+
+def target_intermediate_size(target_config) -> int:
+    """The target's MLP width; for a MoE without a dense width (Qwen3.5-MoE), the active experts' total."""
+    width = getattr(target_config, "intermediate_size", None)
+    if width:
+        return int(width)
+    experts = getattr(target_config, "num_experts_per_tok", None)
+    expert_width = getattr(target_config, "moe_intermediate_size", None)
+    if experts and expert_width:
+        return int(experts) * int(expert_width)
+    raise ValueError("target config has neither intermediate_size nor moe_intermediate_size and num_experts_per_tok")
 
 
 def default_mask_token_id(vocab_size: int) -> int:
@@ -98,7 +111,9 @@ class DrafterConfig:
     def from_target(cls, target_config, target_layer_ids, *, num_layers: int = 5, block_size: int = 16,
                     mask_token_id: int | None = None, sliding_window: int | None = None,
                     layer_types=None) -> DrafterConfig:
-        """A drafter for a Qwen3-like target: same width, heads, eps, RoPE and vocabulary.
+        """A drafter for a Qwen3-like target: same width, heads, eps, RoPE base and vocabulary.
+
+        `target_config` may be a multimodal wrapper's: sizes come from its text config.
 
         `layer_types` defaults to all "sliding_attention" when a `sliding_window` is given (one mask
         kind per step, and what vLLM serves without mixing cache groups), else all "full_attention";
@@ -106,14 +121,14 @@ class DrafterConfig:
         """
         if layer_types is None:
             layer_types = (FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION,) * num_layers
-        c = target_config
+        c = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)
         head_dim = getattr(c, "head_dim", None) or hidden // heads
         vocab = int(c.vocab_size)
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(c.intermediate_size),
+            intermediate_size=target_intermediate_size(c),
             num_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),

@@ -84,6 +84,31 @@ def test_sliding_window_targets_keep_hugging_face_masks():
     assert not prebuilt_mask_ok(config)
 
 
+def test_hybrid_targets_keep_hugging_face_masks():
+    """Linear-attention layers read the 2-D padding mask; a 4-D one is for all-full-attention SDPA only."""
+    from transformers import Qwen3_5TextConfig
+
+    from dflash_cache.extract.capture import prebuilt_mask_ok
+
+    assert not prebuilt_mask_ok(Qwen3_5TextConfig(num_hidden_layers=4))
+
+
+def test_checkpoint_missing_weights_is_a_user_error(tmp_path):
+    """A weight the checkpoint lacks would be left random: refused, naming it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    from dflash_cache.extract.tiny import tiny_config
+
+    Qwen3ForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    desc = describe_target(TargetSpec(model=str(tmp_path), layers=(1,)))
+    with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
+        load_target(desc, torch.device("cpu"))
+
+
 def test_weights_fingerprint_tells_checkpoints_of_one_architecture_apart(tmp_path):
     from transformers import Qwen3ForCausalLM
 
