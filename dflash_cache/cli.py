@@ -106,6 +106,7 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
 
     import torch
 
+    from dflash_cache.extract.chat import ChatSpec
     from dflash_cache.extract.target import TargetSpec, describe_target, load_target, parse_dtype
     from dflash_cache.train.drafter import FrozenTargetHead
     from dflash_cache.train.export import drafter_from_export
@@ -128,7 +129,7 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
     target_model = load_target(desc, dev, keep=desc.identity.num_hidden_layers)
     head = FrozenTargetHead.from_target(target_model)
     model = model.to(device=dev, dtype=parse_dtype(dtype)).eval()
-    prompts = load_prompts(data, limit)
+    prompts = load_prompts(data, limit, chat=ChatSpec(model=target))
     if not prompts:
         raise UserError(f"{data}: no row has a prompt (tokens before the first supervised one)")
     r = evaluate(target_model, model, head, cfg, prompts, max_new_tokens)

@@ -18,6 +18,8 @@ class ExtractConfig:
 
     target: TargetSpec
     data: str = option(help="HF datasets dir, Parquet file/dir, JSONL file/dir, or 'demo'.")
+    chat_template: str | None = option(None, path="any", help="Jinja chat template for a chat dataset (messages "
+                                                              "rows), overriding the target tokenizer's.")
     out: str = option(path="dir", help="Cache directory to create or resume.")
     codec: str = option("bf16", choices=tuple(CODECS), help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
                                                             "per-token scales (~2.4x smaller).")

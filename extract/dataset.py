@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dflash_cache.errors import UserError
+from dflash_cache.extract.chat import ChatSource, ChatSpec, as_chat
 from dflash_cache.extract.dataset_formats import ArrowSource, Source, open_source
 from dflash_cache.files import hash_ends
 from dflash_cache.store.batch import IGNORE_INDEX
@@ -43,9 +44,10 @@ class Row:
 class DatasetScan:
     lengths: np.ndarray  # int32 [num_rows], length after the max_len policy (0 for skipped rows)
     supervised: np.ndarray  # int32 [num_rows], supervised tokens after the policy (0 for skipped rows)
-    keep: np.ndarray  # bool [num_rows], False for rows skipped by the max_len policy
+    keep: np.ndarray  # bool [num_rows], False for rows skipped by the max_len policy or dropped
     truncated: int
     skipped: int
+    dropped: int = 0  # chat rows that gave no training row (see `dflash_cache.extract.chat`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +87,15 @@ def _row_of(flat_index: int, lengths: np.ndarray) -> int:
 
 
 class TokenizedDataset:
-    """A tokenized dataset with `input_ids` plus `loss_mask` or `labels`, read lazily by row range."""
+    """A tokenized dataset with `input_ids` plus `loss_mask` or `labels`, read lazily by row range
+    (a chat dataset is tokenized on the fly by its `ChatSource`; its unusable rows come back empty
+    and are dropped like rows --overlong skip drops)."""
 
     def __init__(self, source: Source, *, limit: int | None = None, table: pa.Table | None = None) -> None:
         if limit is not None and limit <= 0:
             raise UserError(f"--limit must be a positive number of rows, got {limit}")
         self._source, self._limit, self._table = source, limit, table
+        self._chat = source.encoder.identity if isinstance(source, ChatSource) else None
         if source.num_rows == 0:  # before the columns: a file with no rows has none to show
             raise UserError(f"dataset {_names(source)} has no rows; pass a dataset with at least one row")
         cols = source.columns
@@ -124,6 +129,8 @@ class TokenizedDataset:
             hash_ends(part, path, size)
             h.update(part.digest())
         h.update(f"limit={self._limit}".encode())
+        if self._chat is not None:  # another template or tokenizer gives other rows
+            h.update(f"\0chat={self._chat}".encode())
         return h.hexdigest()
 
     def _chunks(self, start: int, stop: int, vocab_size: int | None) -> Iterator[_Checked]:
@@ -145,7 +152,7 @@ class TokenizedDataset:
                                 "store token ids as lists of ints")
         lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
         mlengths = pc.list_value_length(mask).to_numpy(zero_copy_only=False).astype(np.int64)
-        if (lengths == 0).any():
+        if (lengths == 0).any() and self._chat is None:
             bad = first + int(np.flatnonzero(lengths == 0)[0])
             raise UserError(f"{_where(bad, label)}: input_ids is empty; drop empty rows before caching")
         if (lengths != mlengths).any():
@@ -153,9 +160,8 @@ class TokenizedDataset:
             raise UserError(f"{_where(first + i, label)}: input_ids has {lengths[i]} tokens but {mcol} has "
                             f"{mlengths[i]}; they must be the same length")
         ids_np = self._flat_ints(ids, "input_ids", first, label, lengths)
-        lo, hi = int(ids_np.min()), int(ids_np.max())
         limit = vocab_size if vocab_size is not None else _INT32_MAX + 1
-        if lo < 0 or hi >= limit:
+        if ids_np.size and (int(ids_np.min()) < 0 or int(ids_np.max()) >= limit):
             j = int(np.flatnonzero((ids_np < 0) | (ids_np >= limit))[0])
             fix = f"outside [0, {vocab_size}) for vocab size {vocab_size}; tokenize with the target model's tokenizer" \
                 if vocab_size is not None else "is negative or does not fit int32; token ids must be >= 0"
@@ -197,18 +203,19 @@ class TokenizedDataset:
             raise UserError(f"vocab_size must be positive, got {vocab_size}")
         n = self.num_rows
         lengths, supervised, keep = np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, bool)
-        truncated = skipped = 0
+        truncated = skipped = dropped = 0
         for c in self._chunks(0, n, vocab_size):
             rows = slice(c.first, c.first + len(c.lengths))
             ends = np.cumsum(c.lengths)
             starts = ends - c.lengths
-            kept_len, row_keep = c.lengths, np.ones(len(c.lengths), bool)
+            kept_len, row_keep = c.lengths, c.lengths > 0  # empty: a dropped chat row
+            dropped += int((~row_keep).sum())
             mask = c.mask
             if max_len is not None and (c.lengths > max_len).any():
                 over = c.lengths > max_len
                 if overlong == "skip":
                     skipped += int(over.sum())
-                    row_keep = ~over
+                    row_keep = row_keep & ~over
                     kept_len = np.where(over, 0, c.lengths)
                 else:
                     truncated += int(over.sum())
@@ -217,10 +224,13 @@ class TokenizedDataset:
                 mask = mask * (pos < kept_len.repeat(c.lengths))
             csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
             lengths[rows], supervised[rows], keep[rows] = kept_len, csum[ends] - csum[starts], row_keep
+        if dropped == n:
+            raise UserError(f"all {n} chat rows were dropped (no usable assistant turn; the log names the first "
+                            "and why); check the messages and the chat template")
         if not keep.any():
             raise UserError(f"all {n} rows are longer than max_len {max_len} and overlong=skip leaves nothing; "
                             "raise --max-len or use --overlong truncate")
-        return DatasetScan(lengths, supervised, keep, truncated, skipped)
+        return DatasetScan(lengths, supervised, keep, truncated, skipped, dropped)
 
     def read_rows(self, start: int, stop: int, *, max_len: int | None, overlong: str = "truncate") -> list[Row]:
         """Rows [start, stop) in order, with the same max_len policy as `scan` (skipped rows omitted)."""
@@ -232,6 +242,8 @@ class TokenizedDataset:
             ends = np.cumsum(c.lengths)
             for i, (end, length) in enumerate(zip(ends.tolist(), c.lengths.tolist(), strict=True)):
                 begin = end - length
+                if length == 0:  # a dropped chat row
+                    continue
                 if max_len is not None and length > max_len:
                     if overlong == "skip":
                         continue
@@ -240,11 +252,13 @@ class TokenizedDataset:
         return out
 
 
-def open_dataset(spec: str | Path | pa.Table, *, limit: int | None = None) -> TokenizedDataset:
-    """Open a HF save_to_disk directory, Arrow, Parquet or JSONL file/directory, or an in-memory table."""
+def open_dataset(spec: str | Path | pa.Table, *, limit: int | None = None,
+                 chat: ChatSpec | None = None) -> TokenizedDataset:
+    """Open a HF save_to_disk directory, Arrow, Parquet or JSONL file/directory, or an in-memory table;
+    rows of `messages` are rendered and tokenized with `chat`'s tokenizer and template."""
     if isinstance(spec, pa.Table):
-        return TokenizedDataset(_table_source(spec, "memory"), limit=limit, table=spec)
-    return TokenizedDataset(open_source(Path(spec).expanduser()), limit=limit)
+        return TokenizedDataset(as_chat(_table_source(spec, "memory"), chat), limit=limit, table=spec)
+    return TokenizedDataset(as_chat(open_source(Path(spec).expanduser()), chat), limit=limit)
 
 
 def from_table(table: pa.Table, *, name: str = "memory") -> TokenizedDataset:

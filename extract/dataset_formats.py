@@ -199,8 +199,9 @@ def _to_arrow(values: list, column: str, first: int, label: str) -> pa.Array:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
         bad = next((i for i, v in enumerate(values) if not _converts(v)), 0)  # error path only
+        expected = "a list of {role, content} objects" if column == "messages" else "a list of integers"
         raise UserError(f"row {first + bad} ({label}): {column} has mixed or unsupported values ({_one_line(exc)}); "
-                        "expected a list of integers") from exc
+                        f"expected {expected}") from exc
 
 
 def _converts(value: object) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_cache.errors import UserError
+from dflash_cache.extract.chat import ChatSpec
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset, from_table, open_dataset
 from dflash_cache.extract.planning import make_plan
@@ -41,8 +42,9 @@ class Job:
         return Path(self.config.out)
 
 
-def open_data(data: str, limit: int | None = None) -> TokenizedDataset:
-    """`--data`: a dataset path, or 'demo' for the built-in demo set."""
+def open_data(data: str, limit: int | None = None, chat: ChatSpec | None = None) -> TokenizedDataset:
+    """`--data`: a dataset path, or 'demo' for the built-in demo set; `chat` (the target's tokenizer,
+    loaded only for a `messages` dataset, and --chat-template) renders chat rows."""
     if data == "demo":
         from dflash_cache.extract.demo import demo_table
 
@@ -52,7 +54,14 @@ def open_data(data: str, limit: int | None = None) -> TokenizedDataset:
                 raise UserError(f"--limit must be positive, got {limit}")
             table = table.slice(0, limit)
         return from_table(table, name="demo")
-    return open_dataset(data, limit=limit)
+    if chat is not None and chat.chat_template is not None and data == "demo":
+        raise UserError("--chat-template applies only to chat datasets, not --data demo; drop it")
+    return open_dataset(data, limit=limit, chat=chat)
+
+
+def chat_spec(cfg: ExtractConfig) -> ChatSpec:
+    """Where a chat dataset's tokenizer comes from: the job's target."""
+    return ChatSpec(cfg.target.model, cfg.chat_template, cfg.target.trust_remote_code)
 
 
 def build_manifest(target: TargetDescription, dataset: TokenizedDataset, plan: Plan, *, codec: str,
@@ -74,12 +83,14 @@ def plan_job(cfg: ExtractConfig) -> Job:
     """Validate everything and compute the plan; writes nothing."""
     interval_from_env(cfg.profile_interval)
     target = describe_target(cfg.target)
-    dataset = open_data(cfg.data, cfg.limit)
+    dataset = open_data(cfg.data, cfg.limit, chat_spec(cfg))
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
     check_context(scan.lengths, target.max_context, dataset)
     plan = make_plan(scan.lengths, scan.keep, cfg.plan)
     if not plan.batches:
         raise UserError(f"{cfg.data}: no rows left to extract (all {dataset.num_rows} were skipped by --max-len)")
+    if scan.dropped:
+        log.warning("%d of %d chat rows dropped (no usable assistant turn)", scan.dropped, dataset.num_rows)
     if scan.truncated or scan.skipped:
         log.warning("--max-len %s: %d rows truncated, %d rows skipped (--overlong %s)",
                     cfg.max_len, scan.truncated, scan.skipped, cfg.overlong)

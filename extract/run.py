@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.dry_run import dry_run
-from dflash_cache.extract.job import Job, open_data, open_or_create, plan_job
+from dflash_cache.extract.job import Job, chat_spec, open_data, open_or_create, plan_job
 from dflash_cache.extract.launch import launch
 from dflash_cache.extract.pipeline import RankExtractor
 from dflash_cache.extract.target import TargetDescription, describe_target, load_target
@@ -182,4 +182,4 @@ def job_from_cache(cfg: ExtractConfig, target: TargetDescription) -> Job:
     """The job as ranks other than 0 see it: the plan comes from the cache rank 0 created."""
     root = Path(cfg.out)
     manifest = read_manifest(root)
-    return Job(cfg, target, open_data(cfg.data, cfg.limit), None, read_plan(root, manifest), manifest)
+    return Job(cfg, target, open_data(cfg.data, cfg.limit, chat_spec(cfg)), None, read_plan(root, manifest), manifest)

@@ -18,6 +18,7 @@ TINY_CONFIG_FILE = "config.json"
 TINY_TOKENIZER_FILE = "tokenizer.json"
 TINY_PROMPTS_FILE = "demo_prompts.json"
 TINY_REPORT_FILE = "train_report.json"
+TINY_CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TINY_EOT = "<|endoftext|>"  # id 0: end of text, also the padding id
 TINY_MASK = "<|mask|>"  # id vocab-1: the drafter's mask token, never produced from text
 
@@ -68,9 +69,12 @@ def load_tiny_tokenizer(path: Path | str | None = None):
 
 
 def tiny_tokenizer():
-    """The tiny target's tokenizer as a transformers fast tokenizer (eos = pad = id 0, mask = vocab-1)."""
+    """The tiny target's tokenizer as a transformers fast tokenizer (eos = pad = id 0, mask = vocab-1),
+    with the shipped chat template so chat datasets run with no download."""
     from transformers import PreTrainedTokenizerFast
 
+    template = (TINY_DIR / TINY_CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
     return PreTrainedTokenizerFast(tokenizer_file=str(TINY_DIR / TINY_TOKENIZER_FILE), eos_token=TINY_EOT,
-                                   pad_token=TINY_EOT, mask_token=TINY_MASK, split_special_tokens=True)
+                                   pad_token=TINY_EOT, mask_token=TINY_MASK, split_special_tokens=True,
+                                   chat_template=template)
 

@@ -15,6 +15,7 @@ import torch
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.chat import ChatSpec
 from dflash_cache.extract.job import check_context, open_data
 from dflash_cache.extract.run import parse_gpus
 from dflash_cache.extract.target import TargetDescription, TargetSpec, describe_target, load_target
@@ -94,7 +95,7 @@ def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, pr
     live = cfg.live
     target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
-    dataset = open_data(live.data, live.limit)
+    dataset = open_data(live.data, live.limit, ChatSpec(cfg.target, live.chat_template, cfg.trust_remote_code))
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=live.max_len, overlong=live.overlong)
     check_context(scan.lengths, target.max_context, dataset)
     table = live_sample_table(scan, DEFAULT_BUCKETS)

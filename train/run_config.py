@@ -23,6 +23,8 @@ class LiveConfig:
     """`train --live`: the target runs beside the drafter instead of a cache feeding it."""
 
     data: str = option(help="the tokenized dataset (as for extract), or 'demo'.")
+    chat_template: str | None = option(None, path="any", help="Jinja chat template for a chat dataset, "
+                                                              "overriding the target tokenizer's.")
     limit: int | None = option(None, min=1, help="only the first N rows.")
     max_len: int | None = option(None, min=1, help="longest row kept (longer rows are truncated).")
     overlong: str = option("truncate", choices=OVERLONG_POLICIES, cli=False)

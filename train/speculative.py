@@ -18,6 +18,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from dflash_cache.train.anchors import Blocks
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead
 from dflash_cache.train.masks import build_masks
+
+if TYPE_CHECKING:
+    from dflash_cache.extract.chat import ChatSpec
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +149,12 @@ def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, 
     )
 
 
-def load_prompts(data: str, limit: int) -> list[list[int]]:
-    """The first `limit` rows' prompts: each row's tokens before its first supervised one."""
+def load_prompts(data: str, limit: int, chat: ChatSpec | None = None) -> list[list[int]]:
+    """The first `limit` rows' prompts: each row's tokens before its first supervised one (for chat
+    data, `chat` says whose template renders it: the conversation up to the first assistant turn)."""
     from dflash_cache.extract.job import open_data
 
-    dataset = open_data(data, None)
+    dataset = open_data(data, None, chat=chat)
     prompts = []
     for row in dataset.read_rows(0, min(limit, dataset.num_rows), max_len=None):
         first = int(np.argmax(row.loss_mask)) if row.loss_mask.any() else len(row.input_ids)

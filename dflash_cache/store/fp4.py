@@ -1,0 +1,237 @@
+"""A group-scaled 4-bit (e2m1, "FP4") codec for packed hidden states: torch reference.
+
+Why: fp8 costs ~1 byte per value; real targets need <= 0.5 byte per value. One scale per token
+per layer cannot carry 4-bit codes because a few massive-activation channels (values thousands of
+times the median, Sun et al. 2024) set the scale and flatten everything else to zero. So, in the
+style of MXFP4/NVFP4: one scale per group of `group_size` consecutive elements of a token's layer
+row, and optionally the `outliers` largest-|x| channels per token per layer kept exactly in bf16.
+
+Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Stored arrays:
+
+* ``codes``  uint8 ``[T, L*H/2]``: e2m1 codes (sign << 3 | magnitude index), element ``2i`` in the
+  low nibble and element ``2i+1`` in the high nibble of byte ``i``.
+* ``scales`` one per group ``[T, L*H/G]``: ``e4m3`` (uint8) relative to ``row_scales`` float32
+  ``[T, L]`` (NVFP4's two levels: e4m3 alone cannot reach massive-activation magnitudes), or
+  ``bf16`` bits (uint16), which needs no second level.
+* with ``outliers = k > 0``: ``outlier_idx`` int16 ``[T, L*k]`` (channel within its layer) and
+  ``outlier_val`` bf16 bits ``[T, L*k]``. Indices are per token; massive-activation channels are
+  fixed, so the rows repeat and zstd shrinks them (~2.7x measured on synthetic 5 x 4096).
+
+Quantisation: outlier positions are zeroed in the body; ``s = amax(group) / 6`` rounded to the
+scale format (nearest); ``code = rne_e2m1(clamp(x / s, -6, 6))``. Dequantisation:
+``bf16(E2M1[code] * s)``, then the outliers are written back bit for bit.
+
+Error bound (per element, enforced by the tests), outlier elements exact:
+
+    |x_hat - x| <= FP4_RELATIVE_ERROR_BOUND * |x| + FP4_GROUP_ERROR_BOUND * amax(group)
+                   + FP4_ROW_ERROR_BOUND * amax(layer row)
+
+e2m1 carries 2 significant bits (<= 1/4 relative rounding for |x/s| >= 1, absolute 1/4 * s below);
+a scale rounded down clips at most 6/(1 - 1/16) to 6 (<= 1/16 relative); bf16 output adds 2**-8.
+The row term covers e4m3 scales that underflow to subnormals (tiny groups in a loud row).
+
+Measured (bench/codec_study_fp4.py, bench/results/2026-11-30-cpu-fp4-study.json): e4m3 scales cost
+half of bf16's bytes (the codes don't compress, the scales barely) for ~0.3 points more relative
+error, hence the default; float16 would cost as much as bf16 and underflow quiet groups below 6e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_cache.store.codecs import ArraySpec, zstd_chain
+
+__all__ = [
+    "E2M1_GRID",
+    "FP4_GROUP_ERROR_BOUND",
+    "FP4_RELATIVE_ERROR_BOUND",
+    "FP4_ROW_ERROR_BOUND",
+    "Fp4Config",
+    "dequantize_fp4",
+    "fp4_arrays",
+    "fp4_error_bound",
+    "pack_nibbles",
+    "quantize_fp4",
+    "unpack_nibbles",
+]
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+SCALE_FORMATS = ("e4m3", "bf16")
+
+FP4_RELATIVE_ERROR_BOUND: float = 0.25 + 2.0**-7
+FP4_GROUP_ERROR_BOUND: float = 0.25 / E2M1_MAX * (1.0 + 2.0**-3)
+FP4_ROW_ERROR_BOUND: float = 2.0**-8 / E4M3_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class Fp4Config:
+    """How to quantise: elements per scale, the scale's format, bf16 outlier channels per layer."""
+
+    group_size: int = 16
+    scale_format: str = "e4m3"
+    outliers: int = 0
+
+    def check(self, hidden_size: int) -> None:
+        """Refuse shapes the layout cannot represent (raise ValueError)."""
+        g = self.group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g % 2 or hidden_size % g:
+            raise ValueError(
+                f"fp4: group_size must be an even divisor of hidden size {hidden_size}, got {g!r}"
+            )
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(f"fp4: scale_format must be one of {SCALE_FORMATS}, got {self.scale_format!r}")
+        k = self.outliers
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hidden_size or hidden_size > 32767:
+            raise ValueError(f"fp4: outliers must be in [0, {hidden_size}] (hidden size <= 32767), got {k!r}")
+
+
+def fp4_arrays(cfg: Fp4Config, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:
+    """The per-token arrays the codec stores, as `FeatureCodec.arrays` declares them."""
+    cfg.check(hidden_size)
+    width = n_layers * hidden_size
+    # Shuffle choices measured (bench/codec_study_fp4.py): codes and e4m3 scales are single bytes of
+    # near-uniform 4-bit fields, so bit-shuffle only hurts (codes stay ~incompressible either way);
+    # outlier indices repeat token to token and compress best unshuffled; bf16 values byte-shuffled.
+    specs = {"codes": ArraySpec(np.dtype(np.uint8), width // 2, tuple(zstd_chain(1, shuffle="noshuffle")))}
+    n_groups = width // cfg.group_size
+    if cfg.scale_format == "e4m3":
+        specs["scales"] = ArraySpec(np.dtype(np.uint8), n_groups, tuple(zstd_chain(1, shuffle="noshuffle")))
+        specs["row_scales"] = ArraySpec(np.dtype(np.float32), n_layers, tuple(zstd_chain(4)))
+    else:
+        specs["scales"] = ArraySpec(np.dtype(np.uint16), n_groups, tuple(zstd_chain(2)))
+    if cfg.outliers:
+        k = n_layers * cfg.outliers
+        specs["outlier_idx"] = ArraySpec(np.dtype(np.uint16), k, tuple(zstd_chain(2, shuffle="noshuffle")))
+        specs["outlier_val"] = ArraySpec(np.dtype(np.uint16), k, tuple(zstd_chain(2)))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------
+# e2m1 and packing
+
+
+def _grid(device: torch.device) -> torch.Tensor:
+    """float32 value of each 4-bit code (sign << 3 | index)."""
+    g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+    return torch.cat([g, -g])
+
+
+def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """float32 in [-6, 6] -> uint8 e2m1 codes, round to nearest, ties to the even code."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=y.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    a = y.abs()
+    low = torch.bucketize(a, mids, right=False)  # a tie goes to the lower code
+    high = torch.bucketize(a, mids, right=True)  # a tie goes to the upper code
+    idx = torch.where(low != high, low + (low & 1), low)
+    sign = (y < 0) | ((y == 0) & torch.signbit(y))
+    return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [T, W] (W even, values < 16) -> [T, W/2]: even position low nibble, odd high."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# encode / decode
+
+
+def _check_x(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> int:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"fp4: x must be a 2-D bfloat16 tensor [T, L*H], got {getattr(x, 'dtype', type(x))}")
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1 or x.shape[1] % n_layers:
+        raise ValueError(f"fp4: width {x.shape[1]} is not a multiple of n_layers={n_layers!r}")
+    h = x.shape[1] // n_layers
+    cfg.check(h)
+    return h
+
+
+def _outliers(xf: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k |x| channels per token and layer of xf [T, L, H]: (indices int64, values) [T, L, k]."""
+    idx = xf.abs().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return idx, xf.gather(-1, idx)
+
+
+def _group_scales(amax: torch.Tensor, cfg: Fp4Config) -> dict[str, torch.Tensor]:
+    """Group amax float32 [T, L, n] -> stored scale arrays (and 'decoded': float32 [T, L, n])."""
+    s = amax / torch.full_like(amax, E2M1_MAX)
+    if cfg.scale_format == "bf16":
+        sb = s.to(torch.bfloat16)
+        return {"scales": sb.view(torch.int16), "decoded": sb.float()}
+    row = amax.amax(dim=-1) / torch.full_like(amax[..., 0], E2M1_MAX * E4M3_MAX)
+    row = torch.where(row > 0, row, torch.ones_like(row))
+    s8 = (s / row.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return {"scales": s8.view(torch.uint8), "row_scales": row, "decoded": s8.float() * row.unsqueeze(-1)}
+
+
+def _decoded_scales(arrays: dict[str, torch.Tensor], t: int, n_layers: int, cfg: Fp4Config) -> torch.Tensor:
+    sc = arrays["scales"]
+    if cfg.scale_format == "bf16":
+        return sc.view(torch.bfloat16).float().reshape(t, n_layers, -1)
+    row = arrays["row_scales"].reshape(t, n_layers, 1)
+    return sc.view(torch.float8_e4m3fn).float().reshape(t, n_layers, -1) * row
+
+
+def quantize_fp4(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> dict[str, torch.Tensor]:
+    """bf16 [T, L*H] -> the arrays of `fp4_arrays`, on x's device (bf16/index bits as int16)."""
+    h = _check_x(x, n_layers, cfg)
+    t = x.shape[0]
+    xf = x.float().reshape(t, n_layers, h)
+    out: dict[str, torch.Tensor] = {}
+    if cfg.outliers:
+        idx, val = _outliers(xf, cfg.outliers)
+        xf = xf.scatter(-1, idx, 0.0)
+        out["outlier_idx"] = idx.to(torch.int16).reshape(t, -1)
+        out["outlier_val"] = val.to(torch.bfloat16).view(torch.int16).reshape(t, -1)
+    groups = xf.reshape(t, n_layers, h // cfg.group_size, cfg.group_size)
+    sc = _group_scales(groups.abs().amax(dim=-1), cfg)
+    s = sc.pop("decoded").unsqueeze(-1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    y = (groups / safe).clamp(-E2M1_MAX, E2M1_MAX)
+    y = torch.where(s > 0, y, torch.zeros_like(y))
+    out["codes"] = pack_nibbles(_e2m1_codes(y).reshape(t, n_layers * h))
+    out.update({k: v.reshape(t, -1).contiguous() for k, v in sc.items()})
+    return out
+
+
+def dequantize_fp4(arrays: dict[str, torch.Tensor], n_layers: int, cfg: Fp4Config) -> torch.Tensor:
+    """The arrays of `quantize_fp4` (any device; unsigned or signed bit views) -> bf16 [T, L*H]."""
+    codes = unpack_nibbles(arrays["codes"].view(torch.uint8))
+    t, width = codes.shape
+    h = width // n_layers
+    cfg.check(h)
+    s = _decoded_scales(arrays, t, n_layers, cfg)
+    vals = _grid(codes.device)[codes.long()].reshape(t, n_layers, -1, cfg.group_size)
+    x = (vals * s.unsqueeze(-1)).to(torch.bfloat16).reshape(t, n_layers, h)
+    if cfg.outliers:
+        idx = arrays["outlier_idx"].view(torch.int16).long().reshape(t, n_layers, -1)
+        val = arrays["outlier_val"].view(torch.int16).view(torch.bfloat16).reshape(t, n_layers, -1)
+        x = x.scatter(-1, idx, val)
+    return x.reshape(t, width)
+
+
+def fp4_error_bound(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> torch.Tensor:
+    """Per-element bound on |x_hat - x| (float32, x's shape); 0 is not claimed for outliers."""
+    h = _check_x(x, n_layers, cfg)
+    t = x.shape[0]
+    xf = x.float().reshape(t, n_layers, h)
+    if cfg.outliers:
+        xf = xf.scatter(-1, _outliers(xf, cfg.outliers)[0], 0.0)
+    g = xf.reshape(t, n_layers, -1, cfg.group_size)
+    bound = (
+        FP4_RELATIVE_ERROR_BOUND * g.abs()
+        + FP4_GROUP_ERROR_BOUND * g.abs().amax(dim=-1, keepdim=True)
+        + FP4_ROW_ERROR_BOUND * xf.abs().amax(dim=-1)[..., None, None]
+    )
+    return bound.reshape(t, n_layers * h)
