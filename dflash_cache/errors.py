@@ -13,3 +13,9 @@ class UserError(Exception):
 
 class CacheCorruptError(UserError):
     """A cache on disk does not match what its commit records promise."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type if it has none), to quote inside a UserError."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -30,8 +30,8 @@ import numpy as np
 import pyarrow as pa
 from jinja2 import TemplateError
 
-from dflash_cache.errors import UserError
-from dflash_cache.extract.dataset_formats import Batch, Source, _one_line
+from dflash_cache.errors import UserError, one_line
+from dflash_cache.extract.dataset_formats import Batch, Source
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ChatSpec:
         try:
             return AutoTokenizer.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError) as exc:
-            raise UserError(f"cannot load the tokenizer of {self.model} for the chat dataset ({_one_line(exc)}); "
+            raise UserError(f"cannot load the tokenizer of {self.model} for the chat dataset ({one_line(exc)}); "
                             "the model directory needs its tokenizer files") from exc
 
 
@@ -111,7 +111,7 @@ class ChatEncoder:
             full = self._render(msgs)
             spans = [self._span(full, msgs, i) for i, m in enumerate(msgs) if m["role"] == "assistant"]
         except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the row's (or the template's) fault
-            raise Dropped(f"the chat template failed: {_one_line(exc)}") from exc
+            raise Dropped(f"the chat template failed: {one_line(exc)}") from exc
         spans = [s for s in spans if s[1] > s[0]]
         if not spans:
             raise Dropped("no assistant turn with content")

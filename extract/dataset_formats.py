@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_cache.errors import UserError
+from dflash_cache.errors import UserError, one_line
 
 # (global index of the batch's first row, batch, file label for messages)
 Batch = tuple[int, pa.RecordBatch, str]
@@ -29,11 +29,6 @@ _JSONL_SUFFIXES = (".jsonl", ".json")
 _HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")  # save_to_disk's own files
 _PARQUET_BATCH = 8192
 _JSONL_BATCH = 2048
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _ranges(counts: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
@@ -108,7 +103,7 @@ def _read_arrow(path: Path) -> pa.Table:
             return pa.ipc.open_file(source).read_all()
         return pa.ipc.open_stream(source).read_all()
     except (OSError, pa.ArrowInvalid) as exc:
-        raise UserError(f"cannot read Arrow file {path}: {_one_line(exc)}; expected Arrow IPC stream or file format") from exc
+        raise UserError(f"cannot read Arrow file {path}: {one_line(exc)}; expected Arrow IPC stream or file format") from exc
 
 
 class ParquetSource(Source):
@@ -123,7 +118,7 @@ class ParquetSource(Source):
             try:
                 self.meta.append(pq.read_metadata(path))
             except (OSError, pa.ArrowInvalid) as exc:
-                raise UserError(f"cannot read Parquet file {path}: {_one_line(exc)}; is it a valid .parquet file?") from exc
+                raise UserError(f"cannot read Parquet file {path}: {one_line(exc)}; is it a valid .parquet file?") from exc
         self.group_counts = [np.array([m.row_group(g).num_rows for g in range(m.num_row_groups)], dtype=np.int64)
                              for m in self.meta]
         self.counts = np.array([int(c.sum()) for c in self.group_counts], dtype=np.int64)
@@ -176,7 +171,7 @@ class JsonlSource(Source):
             try:
                 obj = json.loads(blob[a:b])
             except ValueError as exc:
-                raise UserError(f"row {first + i - lo} ({path.name}): invalid JSON ({_one_line(exc)}); "
+                raise UserError(f"row {first + i - lo} ({path.name}): invalid JSON ({one_line(exc)}); "
                                 "each line must be one JSON object") from exc
             if not isinstance(obj, dict):
                 raise UserError(f"row {first + i - lo} ({path.name}): line is a JSON {type(obj).__name__}, not an "
@@ -200,7 +195,7 @@ def _to_arrow(values: list, column: str, first: int, label: str) -> pa.Array:
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
         bad = next((i for i, v in enumerate(values) if not _converts(v)), 0)  # error path only
         expected = "a list of {role, content} objects" if column == "messages" else "a list of integers"
-        raise UserError(f"row {first + bad} ({label}): {column} has mixed or unsupported values ({_one_line(exc)}); "
+        raise UserError(f"row {first + bad} ({label}): {column} has mixed or unsupported values ({one_line(exc)}); "
                         f"expected {expected}") from exc
 
 
@@ -286,7 +281,7 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read {path}: {_one_line(exc)}; re-save the dataset with save_to_disk") from exc
+        raise UserError(f"cannot read {path}: {one_line(exc)}; re-save the dataset with save_to_disk") from exc
     if not isinstance(data, dict):
         raise UserError(f"{path} is not a JSON object; re-save the dataset with save_to_disk")
     return data
