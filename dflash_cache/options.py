@@ -227,12 +227,33 @@ def build_config(cls: type, values: Mapping[str, Any], prefix: tuple[str, ...] =
         if entry.kind == "nested":
             kwargs[f.name] = build_config(entry.type, values, path, gate)
         elif entry.kind == "gate":
-            kwargs[f.name] = build_config(entry.type, values, path, flag_of(f)) if values[name] else None
+            if values[name]:
+                kwargs[f.name] = build_config(entry.type, values, path, flag_of(f))
+            else:
+                given = _given(entry.type, values, path)
+                if given:
+                    raise UserError(f"{given[0]} applies only with {flag_of(f)}: add {flag_of(f)} or leave it out")
+                kwargs[f.name] = None
         elif entry.kind == "option":
             if gate is not None and values[name] is None and not _has_default(f):
                 raise UserError(f"{gate} needs {flag_of(f)}")
             kwargs[f.name] = values[name]
     return cls(**kwargs)
+
+
+def _given(cls: type, values: Mapping[str, Any], prefix: tuple[str, ...]) -> list[str]:
+    """The flags of `cls`'s options (nested ones included) whose values differ from their defaults."""
+    given = []
+    for entry in _entries(cls):
+        path = (*prefix, entry.field.name)
+        if entry.kind in ("nested", "gate"):
+            given += _given(entry.type, values, path)
+        elif entry.kind == "option":
+            f = entry.field
+            default = f.default if f.default is not MISSING else None
+            if values[_NESTED.join(path)] != default:
+                given.append(flag_of(f))
+    return given
 
 
 class ConfigCommand(click.Command):

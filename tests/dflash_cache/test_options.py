@@ -86,7 +86,10 @@ def test_ranges_choices_and_lists_are_usage_errors():
 
 
 def test_gate_builds_its_config_only_when_on():
-    assert parse(Toy, "--name", "n", "--data", "ignored").extra is None
+    assert parse(Toy, "--name", "n").extra is None
+    for given, flag in ((("--data", "d"), "--data"), (("--inner-depth", "2"), "--inner-depth")):
+        with pytest.raises(UserError, match=f"^{flag} applies only with --extra: add --extra or leave it out$"):
+            parse(Toy, "--name", "n", *given)
     cfg = parse(Toy, "--name", "n", "--extra", "--data", "d", "--inner-depth", "2")
     assert cfg.extra == Inner(data="d", depth=2)
     with pytest.raises(UserError, match="^--extra needs --data$"):
@@ -200,6 +203,11 @@ def test_flags_map_to_their_fields():
 def test_real_configs_built_in_code_name_the_flag(make, flag):
     with pytest.raises(UserError, match=f"^{flag} "):
         make()
+
+
+def test_live_only_options_are_refused_without_live():
+    with pytest.raises(UserError, match="^--write-cache applies only with --live"):
+        parse(TrainConfig, "--cache", "c", "--target", "t", "--out", "o", "--write-cache", "w")
 
 
 def test_train_needs_exactly_one_source():
