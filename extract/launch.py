@@ -40,7 +40,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dflash_cache.errors import UserError
+from dflash_cache.errors import UserError, one_line
 from dflash_cache.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
             log.debug("rank %d stopped after another rank failed: %s", rank, e)
             raise SystemExit(1) from None
         log.exception("rank %d failed", rank)
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        Report(rank, False, f"{type(e).__name__}: {first_line}".rstrip(": "), time.time()).write(folder)
+        message = f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
+        Report(rank, False, message, time.time()).write(folder)
         raise SystemExit(1) from None
 
 
