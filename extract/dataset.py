@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from tqdm import tqdm
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.chat import ChatSource, ChatSpec, as_chat
@@ -204,7 +205,10 @@ class TokenizedDataset:
         n = self.num_rows
         lengths, supervised, keep = np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, bool)
         truncated = skipped = dropped = 0
+        # Minutes on a million rows (chat rows are rendered and tokenized here): shown on a terminal.
+        bar = tqdm(total=n, unit="row", unit_scale=True, desc="scanning the dataset", disable=None, leave=False)
         for c in self._chunks(0, n, vocab_size):
+            bar.update(len(c.lengths))
             rows = slice(c.first, c.first + len(c.lengths))
             ends = np.cumsum(c.lengths)
             starts = ends - c.lengths
@@ -224,6 +228,7 @@ class TokenizedDataset:
                 mask = mask * (pos < kept_len.repeat(c.lengths))
             csum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
             lengths[rows], supervised[rows], keep[rows] = kept_len, csum[ends] - csum[starts], row_keep
+        bar.close()
         if dropped == n:
             raise UserError(f"all {n} chat rows were dropped (no usable assistant turn; the log names the first "
                             "and why); check the messages and the chat template")
