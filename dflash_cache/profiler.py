@@ -68,10 +68,12 @@ class StageProfiler:
     interval: float | None = None
     prefix: str = ""
     clock: Callable[[], float] = time.perf_counter
+    peak_flops: float | None = None  # the device's peak FLOP/s: reports then give model FLOPs utilisation
     _stats: dict[str, _Stat] = field(default_factory=lambda: defaultdict(_Stat))
     _pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _tokens: int = 0
+    _flops: float = 0.0
     _last: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
@@ -122,6 +124,13 @@ class StageProfiler:
         with self._lock:
             self._tokens += n
 
+    def add_flops(self, n: float) -> None:
+        """Model FLOPs of work done (a training step's, see dflash_cache.train.flops)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._flops += n
+
     def _resolve(self) -> None:
         """Count the device spans whose events have completed; the others wait for a later report."""
         still = []
@@ -147,14 +156,20 @@ class StageProfiler:
             self._resolve()
             self._last = now
             rate = self._tokens / elapsed if elapsed > 0 else 0.0
-            lines = [f"{self.prefix}profile over {elapsed:.1f}s: {rate:,.0f} tok/s"]
+            head = f"{self.prefix}profile over {elapsed:.1f}s: {rate:,.0f} tok/s"
+            if self._flops and elapsed > 0:
+                achieved = self._flops / elapsed
+                head += f", {achieved / 1e12:,.0f} TFLOP/s"
+                if self.peak_flops:
+                    head += f" (MFU {achieved / self.peak_flops:.1%} of {self.peak_flops / 1e12:,.0f})"
+            lines = [head]
             for name in sorted(self._stats):
                 s = self._stats[name]
                 lines.append(
                     f"  {name:<28} avg {1e3 * s.total / s.count:9.2f} ms  max {1e3 * s.peak:9.2f} ms  n={s.count}"
                 )
             self._stats.clear()
-            self._tokens = 0
+            self._tokens, self._flops = 0, 0.0
         report = "\n".join(lines)
         log.info("%s", report)
         return report

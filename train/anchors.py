@@ -53,6 +53,9 @@ class Blocks:
     labels: torch.Tensor        # int64 [A, B]: labels[a, k] = batch.input_ids[token_index[a] + k]; slot 0 = -100
     weights: torch.Tensor       # float32 [A, B]: loss_mask[p + k] * exp(-(k - 1) / gamma); slot 0 = 0
     block_size: int
+    # Sum of anchor_pos: the context keys a block's queries attend, summed over blocks (FLOP
+    # accounting); counted when sampling on the host, None when sampled on the device (a sync).
+    prefix_keys: int | None = None
 
     @property
     def num_anchors(self) -> int:
@@ -145,7 +148,8 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
     weights = lm[idx].to(torch.float32) * decay[None, :]
 
     return Blocks(token_index=token_index, doc=anchor_doc, anchor_pos=anchor_pos, input_ids=input_ids,
-                  position_ids=position_ids, labels=labels, weights=weights, block_size=B)
+                  position_ids=position_ids, labels=labels, weights=weights, block_size=B,
+                  prefix_keys=int(anchor_pos.sum()) if device.type == "cpu" else None)
 
 
 __all__ = ["DEFAULT_NUM_ANCHORS", "Blocks", "default_gamma", "sample_anchors"]

@@ -178,6 +178,15 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
+    def compile_layers(self) -> None:
+        """Compile every layer in place (torch.compile, dynamic shapes: a batch's context and block
+        counts vary). Norms, RoPE, the MLP's gate and the residual adds fuse into a few kernels in
+        forward and backward, and FlexAttention is traced inside the layer; weights and state-dict keys
+        are unchanged. The first step of each new kind of shape compiles (about a minute)."""
+        for layer in self.layers:
+            layer.compile(dynamic=True)
+        self.flex_attention_fn = flex_attention
+
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, masks: dict) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],

@@ -84,6 +84,8 @@ class TrainConfig:
     live: LiveConfig | None = option(None, help="No cache: run the target beside the drafter (needs --data).")
     profile_interval: float | None = option(None, min=0, min_open=True, help=INTERVAL_HELP)
     progress: bool = option(True, help="Hide the progress bar.")
+    compile: bool = option(True, help="On GPUs, run the drafter layers and the loss eagerly instead of compiled "
+                                      "(torch.compile: a minute more at start, faster steps).")
     # The DFlash recipe's constants, and what defaults from the target (the mask token: an unused row).
     warmup_ratio: float = option(0.04, min=0, max=1, cli=False)
     weight_decay: float = option(0.0, min=0, cli=False)

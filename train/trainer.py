@@ -41,6 +41,7 @@ from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.export import export_drafter
+from dflash_cache.train.flops import device_peak_flops, step_flops
 from dflash_cache.train.interrupt import DeferredInterrupt, TrainingInterrupted
 from dflash_cache.train.live_source import LiveSource
 from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
@@ -100,6 +101,10 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_ratio))
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000003 + rank)
         self.backend = "flex" if device.type == "cuda" else "dense"
+        self.compiled = cfg.compile and device.type == "cuda"
+        if self.compiled:
+            self.model.compile_layers()
+        self.profiler.peak_flops = device_peak_flops(device)
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
         self._window_start = time.perf_counter()  # the last host sync a logged rate is measured from
         self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
@@ -201,28 +206,39 @@ class Trainer:
             blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                     max_anchors=self.max_anchors,
                                     mask_token_id=dcfg.mask_token_id, generator=self.generator)
-        with self.profiler.span("dflash.create_block_mask"):
+        # Device stages are timed on the device: the host runs ahead of the GPU, so host time would
+        # land on whichever stage happens to wait for a free launch slot.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        with self.profiler.device_span("dflash.create_block_mask", stream):
             ctx_doc, ctx_pos = context_doc_pos(batch)
             masks = build_masks(ctx_doc, ctx_pos, blocks, layer_types=dcfg.layer_types,
                                 sliding_window=dcfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with self.profiler.span("drafter.forward"), autocast:
+        with self.profiler.device_span("drafter.forward", stream), autocast:
             features = batch.features if self.device.type == "cuda" else batch.features.float()
             embeds = self.head.embed(blocks.input_ids.reshape(-1))
             hidden = self.net(features, batch.position_ids, embeds, blocks.position_ids.reshape(-1), masks)
-        with self.profiler.span("dflash.chunked_loss"):
-            loss, correct = chunked_weighted_ce(hidden, self.head.lm_head_weight, blocks.labels.reshape(-1),
-                                                blocks.weights.reshape(-1), chunk_size=cfg.loss_chunk)
-        with self.profiler.span("drafter.backward"):
+        with self.profiler.device_span("dflash.chunked_loss", stream):
+            # Slot 0 (the given anchor token) has weight 0: its rows are left out of the LM head.
+            a, b = blocks.num_anchors, cfg.block_size
+            scored = hidden.view(a, b, -1)[:, 1:].reshape(a * (b - 1), -1)
+            weights = blocks.weights[:, 1:]
+            loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
+                                                weights.reshape(-1), chunk_size=cfg.loss_chunk,
+                                                compiled=self.compiled)
+        with self.profiler.device_span("drafter.backward", stream):
             loss.backward()
-        with self.profiler.span("optimizer.step"):
+        with self.profiler.device_span("optimizer.step", stream):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        valid = blocks.weights > 0
-        return {"loss": loss.detach(), "acc": slot_accuracy(correct.reshape(valid.shape), valid).detach()}
+        if blocks.prefix_keys is not None:
+            self.profiler.add_flops(step_flops(dcfg, context_tokens=batch.num_tokens, num_blocks=a,
+                                               prefix_keys=blocks.prefix_keys).total)
+        valid = weights > 0
+        return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
 
     def fit(self) -> dict[str, float]:
         """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics.
@@ -319,7 +335,7 @@ class Trainer:
         stats = stats.cpu()
         now = time.perf_counter()
         seconds, self._window_start = now - self._window_start, now
-        loss, acc, stop = float(stats[0]), stats[2:-1], bool(stats[-1] > 0)  # acc[0]: the anchor slot, never scored
+        loss, acc, stop = float(stats[0]), stats[1:-1], bool(stats[-1] > 0)  # acc: slots 1..B-1
         row = {"step": self.step, "epoch": self.position.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
                "tokens_per_s": tokens / max(seconds, 1e-9), "tokens_seen": self.tokens_seen}

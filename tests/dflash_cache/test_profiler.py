@@ -132,6 +132,27 @@ def test_force_reports_at_once_even_twice_at_the_same_instant():
     assert (header["seconds"], header["rate"], stages) == ("0.0", "0", {})
 
 
+def test_model_flops_give_tflops_and_mfu_against_the_peak():
+    """Model FLOPs added per step become TFLOP/s over the interval, and an MFU once the device's
+    peak is known; the next interval starts from zero."""
+    clock = FakeClock()
+    p = StageProfiler(10.0, clock=clock)
+    p.add_flops(3e15)
+    p.add_tokens(100)
+    clock.advance(10.0)
+    first = p.maybe_report().split("\n")[0]
+    assert first == "profile over 10.0s: 10 tok/s, 300 TFLOP/s", first
+    p.peak_flops = 1000e12
+    p.add_flops(4e15)
+    clock.advance(10.0)
+    assert p.maybe_report().split("\n")[0] == "profile over 10.0s: 0 tok/s, 400 TFLOP/s (MFU 40.0% of 1,000)"
+    clock.advance(10.0)
+    assert p.maybe_report().split("\n")[0] == "profile over 10.0s: 0 tok/s"
+    off = StageProfiler(None)
+    off.add_flops(1e12)
+    assert off.maybe_report(force=True) is None
+
+
 def test_the_report_is_logged_as_returned(caplog):
     clock = FakeClock()
     p = StageProfiler(1.0, prefix="[rank 0] ", clock=clock)

@@ -127,3 +127,20 @@ def test_tau_hat():
     assert tau_hat([0.5, 0.5]) == pytest.approx(1.75)
     assert tau_hat(torch.tensor([0.0, 1.0, 1.0])) == pytest.approx(1.0)
     assert math.isclose(tau_hat([0.9, 0.8]), 1 + 0.9 + 0.72)
+
+
+def test_rows_of_weight_zero_can_be_left_out():
+    """The trainer leaves every block's slot 0 (weight 0) out of the LM head: the loss and the
+    gradients of the other rows are those of the full computation."""
+    h, head, labels, weights = make()
+    weights[::3] = 0.0
+    keep = weights != 0
+    full = h.clone().requires_grad_(True)
+    loss_full, correct_full = chunked_weighted_ce(full, head, labels, weights, chunk_size=6)
+    loss_full.backward()
+    part = h[keep].clone().requires_grad_(True)
+    loss_part, correct_part = chunked_weighted_ce(part, head, labels[keep], weights[keep], chunk_size=6)
+    loss_part.backward()
+    torch.testing.assert_close(loss_part, loss_full)
+    torch.testing.assert_close(part.grad, full.grad[keep])
+    assert torch.equal(correct_part, correct_full[keep]) and not full.grad[~keep].any()

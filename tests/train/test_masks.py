@@ -179,7 +179,7 @@ def test_document_masks_need_blocks_grouped_by_document(two_docs):
     batch, blocks = two_docs
     doc, pos = context_doc_pos(batch)
     order = torch.tensor([1, 0, 2])  # doc 1, doc 0, doc 1: doc 1's blocks are not contiguous
-    shuffled = Blocks(**{f: (getattr(blocks, f)[order] if f != "block_size" else blocks.block_size)
+    shuffled = Blocks(**{f: (v[order] if isinstance(v := getattr(blocks, f), torch.Tensor) else v)
                          for f in blocks.__dataclass_fields__})
     with pytest.raises(ValueError, match="sorted by document"):
         document_masks(doc, pos, shuffled, sliding_window=None)
