@@ -49,10 +49,12 @@ from dflash_cache.store.plan import PlannedBatch  # noqa: E402
 from dflash_cache.store.reader import CacheReader  # noqa: E402
 from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
 from dflash_cache.store.writer import commit_segment  # noqa: E402
+from dflash_cache.train.anchors import sample_anchors  # noqa: E402
 from dflash_cache.train.assemble import source_config  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
+from dflash_cache.train.flops import step_flops  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
@@ -126,6 +128,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
+    ap.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss (train --no-compile)")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="then trace N resident steps with torch.profiler: top kernels, host syncs, GPU busy share")
     add_common_args(ap, "/tmp/dflash-bench-train")
     args = ap.parse_args()
     device = start_logging_and_device()
@@ -135,7 +140,7 @@ def main() -> None:
 
     cfg_kw = dict(target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
                   num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
-                  progress=False, profile_interval=10**9, prefetch=4, read_threads=4)
+                  progress=False, profile_interval=10**9, prefetch=4, read_threads=4, compile=not args.no_compile)
     drafter_cfg = bench_drafter_config(hidden=s["hidden"], inter=s["inter"], heads=s["heads"], kv=s["kv"],
                                        head_dim=s["head_dim"], vocab=s["vocab"], layers=s["layers"],
                                        block=cfg_kw["block_size"], layer_ids=LAYER_IDS)
@@ -153,7 +158,7 @@ def main() -> None:
         sources[codec] = CacheSource(CacheReader(root), source_config(cfg), device=device)
     # One trainer (one drafter, one optimiser) steps through every source in turn, so the
     # measurements differ only in where the batches come from.
-    profiler = StageProfiler(10**9)
+    profiler = StageProfiler(10**9)  # the trainer sets its peak FLOP/s: reports give MFU
     trainer = Trainer(TrainConfig(cache=str(out / f"cache-{codecs[0]}"), out=str(out / "run"), **cfg_kw),
                       source=sources[codecs[0]], drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
     for source in sources.values():
@@ -164,9 +169,17 @@ def main() -> None:
     print(f"warm-up ({args.warmup} steps, compiles included): {time.perf_counter() - t0:.1f}s", flush=True)
     # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
     resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps)]
+    blocks = sample_anchors(resident[0], block_size=drafter_cfg.block_size, num_anchors=args.num_anchors,
+                            mask_token_id=drafter_cfg.mask_token_id, generator=torch.Generator().manual_seed(0))
+    flops = step_flops(drafter_cfg, context_tokens=resident[0].num_tokens, num_blocks=blocks.num_anchors,
+                       prefix_keys=blocks.prefix_keys)
+    print(f"model FLOPs of the first batch's step: {flops.total / 1e12:.1f} T (linears {flops.linears / 1e12:.1f}, "
+          f"attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}); peak "
+          f"{(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}", flush=True)
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "steps": args.steps, "token_budget": args.token_budget, "runs": {}}
+                     "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
+                     "step_tflops": flops.total / 1e12, "runs": {}}
     for rnd in range(args.rounds):
         for name in ["resident", *codecs]:
             if name == "resident":
@@ -183,7 +196,7 @@ def main() -> None:
             sec, tok = timed_steps(trainer, batches, args.steps, device)
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-            run = {"tok_s": tok / sec, "peak_gib": peak, "first_2_steps_s": startup,
+            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps, "peak_gib": peak, "first_2_steps_s": startup,
                    "page_cache_dropped": dropped, "profile": report}
             results["runs"].setdefault(name, []).append(run)
             print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB;"
@@ -191,13 +204,51 @@ def main() -> None:
             print(report, flush=True)
     base = [r["tok_s"] for r in results["runs"]["resident"]]
     print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
-    print("| source | tok/s per round | ratio vs resident (same round) | peak GPU GiB |\n|---|---:|---:|---:|")
+    peak_flops = trainer.profiler.peak_flops
+    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | peak GPU GiB |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for name, runs in results["runs"].items():
         rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
+        steps = " / ".join(f"{r['s_per_step']:.3f}" for r in runs)
+        mfu = " / ".join(f"{flops.total / r['s_per_step'] / peak_flops:.1%}" if peak_flops else "-" for r in runs)
         ratios = " / ".join(f"{r['tok_s'] / b:.3f}" for r, b in zip(runs, base, strict=True))
-        print(f"| {name} | {rates} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} |")
+        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} |")
+    if args.trace:
+        results["trace"] = trace_steps(trainer, resident[:args.trace], device)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def trace_steps(trainer: Trainer, batches: list, device) -> dict:
+    """Kernel-level view of a few steps: where device time goes, which host calls wait for the
+    device, and how busy the device is between the first and the last kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for batch in batches:
+            trainer.train_step(batch)
+        sync(device)
+    events = prof.events()
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
+    waits = {}
+    for e in events:
+        if any(w in e.name for w in ("Synchronize", "cudaFree", "cudaMalloc", "cudaHostAlloc", "EventSynchronize")):
+            n, us = waits.get(e.name, (0, 0))
+            waits[e.name] = (n + 1, us + e.cpu_time_total)
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    out = {"steps": len(batches), "device_busy_ms": busy_us / 1e3, "device_span_ms": span_us / 1e3,
+           "busy_share": busy_us / max(span_us, 1), "host_waits": {k: {"calls": n, "ms": us / 1e3}
+                                                                   for k, (n, us) in waits.items()},
+           "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
+           "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+           "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)}
+    print(out["kernels"])
+    print({k: v for k, v in out.items() if k != "kernels"}, flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""FlexAttention on the DFlash training mask: forward and forward+backward time per kernel setting.
+
+The bench configuration's attention (32 query / 8 key-value heads of 128, 4 documents of 3,072
+tokens with 10% prompt, 512 anchors per document, block 16: 32,768 queries over 45,056 keys), the
+mask built by the trainer's own code. Each setting compiles its own flex_attention; the table gives
+milliseconds per call and TFLOP/s over the pairs the mask admits (what `train.flops` counts).
+`--small` runs a shrunken case on a CPU (eager, forward only) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import start_logging_and_device  # noqa: E402
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
+from dflash_cache.train.anchors import sample_anchors  # noqa: E402
+from dflash_cache.train.masks import build_masks, context_doc_pos  # noqa: E402
+
+SETTINGS: dict[str, dict] = {
+    "default": {},
+    "rows safe": {"ROWS_GUARANTEED_SAFE": True},
+    "fwd 128x128": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2},
+    "fwd 128x64 w8 s3": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 3},
+    "bwd 64/128": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                   "bwd_num_warps": 8, "bwd_num_stages": 2},
+    "bwd 32/128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                   "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "tma": {"USE_TMA": True},
+}
+
+
+def case(device: torch.device, small: bool):
+    docs, seq, anchors, block, heads, kv, d = (2, 256, 32, 8, 4, 2, 32) if small else (4, 3072, 512, 16, 32, 8, 128)
+    lengths = [seq] * docs
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    t = seq * docs
+    pos = positions_from_cu_seqlens(cu, t)
+    batch = PackedBatch(input_ids=torch.randint(0, 1000, (t,)), loss_mask=pos >= seq // 10, position_ids=pos,
+                        cu_seqlens=cu, sample_ids=torch.arange(docs), features=torch.zeros(t, 1))
+    # sampled on the host, as the trainer's sources do (which also counts the prefix keys)
+    blocks = sample_anchors(batch, block_size=block, num_anchors=anchors, mask_token_id=0,
+                            generator=torch.Generator().manual_seed(0))
+    batch, blocks = batch.to(device), blocks.to(device)
+    doc, ctx_pos = context_doc_pos(batch)
+    mask = build_masks(doc, ctx_pos, blocks, layer_types=("full_attention",), sliding_window=None,
+                       backend="flex", compile=device.type == "cuda")["full_attention"]
+    q_len, kv_len = blocks.num_anchors * block, t + blocks.num_anchors * block
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).to(device, dtype)
+               for h, n in ((heads, q_len), (kv, kv_len), (kv, kv_len)))
+    pairs = block * blocks.prefix_keys + blocks.num_anchors * block * block
+    return mask, q, k, v, 4 * pairs * d * heads
+
+
+def timed(fn, device, reps: int) -> float:
+    """Mean seconds per call after two warm-up calls (compiles)."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "
+                    + ", ".join(SETTINGS) + ", autotune")
+    args = ap.parse_args()
+    device = start_logging_and_device()
+    mask, q, k, v, fwd_flops = case(device, args.small)
+    print(f"{q.shape[2]:,} queries x {k.shape[2]:,} keys; mask sparsity {mask.sparsity():.1f}%; "
+          f"{fwd_flops / 1e12:.2f} TFLOP forward over the admitted pairs", flush=True)
+    print("| setting | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---:|---:|---:|---:|")
+    for name in args.settings.split(","):
+        options = SETTINGS.get(name, {})
+        if device.type == "cpu":
+            fn = flex_attention
+        else:
+            fn = torch.compile(flex_attention, dynamic=False,
+                               mode="max-autotune-no-cudagraphs" if name == "autotune" else None)
+        qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
+        forward = functools.partial(fn, qg, kg, vg, block_mask=mask, enable_gqa=True, kernel_options=options or None)
+        try:
+            f = timed(forward, device, args.reps)
+            fb = timed(lambda call=forward: call().sum().backward(), device, args.reps) if device.type == "cuda" \
+                else float("nan")
+        except Exception as e:  # a setting the kernel cannot run (e.g. shared memory): report, go on
+            print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
+            continue
+        print(f"| {name} | {1e3 * f:.2f} | {fwd_flops / f / 1e12:.0f} | {1e3 * fb:.2f} | "
+              f"{3 * fwd_flops / fb / 1e12:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
