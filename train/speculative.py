@@ -1,6 +1,6 @@
 """Speculative decoding with an exported DFlash drafter, to measure real acceptance (tau).
 
-Greedy, one sequence at a time, the target's KV cache cropped on rejection:
+Greedy, one sequence at a time, the target's cache rolled back on rejection (`TargetSession`):
 
     prefill the prompt -> anchor = the target's next token
     loop: the drafter proposes B-1 tokens after the anchor from the target's hidden states of every
@@ -10,6 +10,12 @@ Greedy, one sequence at a time, the target's KV cache cropped on rejection:
 
 Every emitted token is the target's own greedy choice, so the output must equal plain greedy
 decoding; `evaluate` checks it. tau is the mean number of tokens emitted per verify forward.
+
+A KV cache is rolled back by cropping its rejected tail. The recurrent state of a linear-attention
+layer (Gated DeltaNet in Qwen3.5/3.6) cannot be cropped: it has already folded the rejected tokens
+in. Those layers are snapshotted before each verify forward; on a rejection the snapshot is put back,
+the attention layers drop the whole verified block, and the target runs once more over the accepted
+tokens alone. That extra forward is counted in the speculative tokens/s, not in tau.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,19 +52,85 @@ def _features(hidden_states: tuple[torch.Tensor, ...], layer_ids: tuple[int, ...
     return torch.cat([hidden_states[k + 1][0] for k in layer_ids], dim=-1)
 
 
-@torch.no_grad()
-def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding with a KV cache: the reference speculative decoding must reproduce."""
+def new_cache(model: nn.Module):
+    """An empty cache. Every layer keeps all its keys and values (so any tail can be cropped, sliding
+    layers included), except that a target with linear-attention layers gets transformers' layout for
+    them (conv and recurrent states)."""
     from transformers import DynamicCache
 
+    from dflash_cache.extract.target import has_linear_attention, text_config
+
+    hybrid = has_linear_attention(text_config(model.config))
+    return DynamicCache(config=model.config) if hybrid else DynamicCache()
+
+
+@torch.no_grad()
+def greedy_generate(target: nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding with a cache: the reference speculative decoding must reproduce."""
     device = next(target.parameters()).device
-    kw = {_cache_kw(target): DynamicCache(), "use_cache": True}
+    kw = {_cache_kw(target): new_cache(target), "use_cache": True}
     out = target(input_ids=torch.tensor([prompt], device=device), **kw)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_new_tokens:
         out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), **kw)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+def _is_recurrent(layer) -> bool:
+    """A cache layer holding linear-attention state (conv and recurrent states), maybe beside a KV cache."""
+    return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
+
+
+class TargetSession:
+    """The target with its cache over one sequence: `forward` appends tokens, `keep(n)` after a
+    forward of k tokens keeps only its first n of them (see the module doc for how)."""
+
+    def __init__(self, target: nn.Module, *, hidden_states: bool = True) -> None:
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.cache = new_cache(target)
+        self.kw = {_cache_kw(target): self.cache, "use_cache": True, "output_hidden_states": hidden_states}
+        self._snapshot: list[tuple[Any, dict, dict]] | None = None
+        self._last: torch.Tensor | None = None
+
+    def _recurrent_layers(self) -> list:
+        return [layer for layer in getattr(self.cache, "layers", ()) if _is_recurrent(layer)]
+
+    def forward(self, ids: torch.Tensor):
+        """Run the target on ids [1, k] after everything kept so far; remembers how to undo it."""
+        layers = self._recurrent_layers()
+        self._snapshot = [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                           {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
+                          for layer in layers]
+        self._last = ids
+        return self.target(input_ids=ids, **self.kw)
+
+    def keep(self, n: int) -> None:
+        """Keep the first n tokens of the last forward, drop the rest."""
+        k = int(self._last.shape[1])
+        if n == k:
+            return
+        if not self._snapshot:
+            self.cache.crop(-(k - n))  # a negative crop removes that many trailing tokens
+            return
+        self._drop_attention_tail(k)
+        for layer, conv, recurrent in self._snapshot:
+            for i, t in conv.items():
+                layer.conv_states[i].copy_(t)
+            for i, t in recurrent.items():
+                layer.recurrent_states[i].copy_(t)
+        self.target(input_ids=self._last[:, :n], **{**self.kw, "output_hidden_states": False})
+
+    def _drop_attention_tail(self, k: int) -> None:
+        """Remove the last k tokens from every layer's key/value cache (linear-attention layers have none)."""
+        from transformers.cache_utils import DynamicLayer
+
+        for layer in self.cache.layers:
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.crop(layer, -k)  # the KV part only, also of a hybrid layer
+            elif not _is_recurrent(layer):
+                layer.crop(-k)
 
 
 def _one_block(anchor_pos: int, cfg: DrafterConfig, device: torch.device) -> Blocks:
@@ -76,13 +148,10 @@ def _one_block(anchor_pos: int, cfg: DrafterConfig, device: torch.device) -> Blo
 def speculative_generate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, cfg: DrafterConfig,
                          prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[int]]:
     """(tokens, accepted per verify step). Block size and layer ids come from the drafter's config."""
-    from transformers import DynamicCache
-
-    device = next(target.parameters()).device
+    session = TargetSession(target)
+    device = session.device
     layers, b = tuple(cfg.target_layer_ids), cfg.block_size
-    cache = DynamicCache()
-    kw = {_cache_kw(target): cache, "use_cache": True, "output_hidden_states": True}
-    out = target(input_ids=torch.tensor([prompt], device=device), **kw)
+    out = session.forward(torch.tensor([prompt], device=device))
     context = _features(out.hidden_states, layers)
     anchor, pos = int(out.logits[0, -1].argmax()), len(prompt)
     tokens, accepted = [anchor], []
@@ -94,8 +163,7 @@ def speculative_generate(target: nn.Module, drafter: DFlashDrafter, head: Frozen
         hidden = drafter(context, torch.arange(pos, device=device), head.embed(block_ids),
                          blocks.position_ids[0], masks)
         drafts = (hidden[1:].to(head.lm_head_weight.dtype) @ head.lm_head_weight.T).argmax(-1)
-        verify = torch.cat([block_ids[:1], drafts])[None]
-        out = target(input_ids=verify, **kw)
+        out = session.forward(torch.cat([block_ids[:1], drafts])[None])
         choice = out.logits[0].argmax(-1)  # choice[i]: the target's token after verify[i]
         m = 0
         while m < b - 1 and int(drafts[m]) == int(choice[m]):
@@ -103,9 +171,7 @@ def speculative_generate(target: nn.Module, drafter: DFlashDrafter, head: Frozen
         tokens += [int(t) for t in drafts[:m]] + [int(choice[m])]
         accepted.append(m + 1)
         context = torch.cat([context, _features(out.hidden_states, layers)[: m + 1]])
-        rejected = b - 1 - m
-        if rejected:  # a negative crop removes that many trailing tokens (accepted across versions)
-            cache.crop(-rejected)
+        session.keep(m + 1)
         anchor, pos = int(choice[m]), pos + m + 1
     return tokens[:max_new_tokens], accepted
 

@@ -1,6 +1,6 @@
 """The target families users point the tool at, each as a tiny random checkpoint built from its config:
-extract on the CPU, verify the cache, train a few steps from it, and check the captured features
-against the plain Hugging Face forward (also with padding in the batch)."""
+extract on the CPU, verify the cache, train a few steps from it, evaluate the export losslessly, and
+check the captured features against the plain Hugging Face forward (also with padding in the batch)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
+from click.testing import CliRunner
 
+from dflash_cache.cli import cli
 from dflash_cache.extract.capture import HiddenStateCapture
 from dflash_cache.extract.run import extract
 from dflash_cache.extract.target import TargetSpec, describe_target, load_target, warn_if_slow_hybrid
@@ -97,8 +99,9 @@ def _reference(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Ten
     return torch.cat([hs[k + 1][0] for k in LAYERS], dim=1)
 
 
-def test_extract_verify_and_train(checkpoint, rows, tmp_path):
-    """extract -> inspect --verify clean, features equal to the uncut model's forward -> train steps."""
+def test_extract_verify_train_and_eval(checkpoint, rows, tmp_path):
+    """extract -> inspect --verify clean, features equal to the uncut model's forward -> train steps ->
+    eval: speculative decoding with the exported drafter reproduces the target's greedy decoding."""
     _, path, model = checkpoint
     cache = tmp_path / "cache"
     spec = TargetSpec(model=str(path), dtype="float32", layers=LAYERS)
@@ -117,6 +120,12 @@ def test_extract_verify_and_train(checkpoint, rows, tmp_path):
         Trainer.build(demo_train_config(cache, tmp_path / "run", target=str(path), max_steps=2),
                       device=torch.device("cpu")).fit()
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
+    with one_torch_thread():
+        result = CliRunner().invoke(cli, ["eval", "--target", str(path), "--drafter", str(tmp_path / "run"),
+                                          "--data", str(rows), "--limit", "2", "--max-new-tokens", "12",
+                                          "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "lossless: output equals the target's greedy output" in result.output
 
 
 def test_padding_leaves_a_row_unchanged(checkpoint):

@@ -112,3 +112,51 @@ def test_shipped_model_code_drafts_as_eval_does(tiny, demo_drafter, tmp_path: Pa
     assert tokens == tiny.references[tuple(prompt)][:32]
     assert ids[0, len(prompt):].tolist() == tokens
     assert shipped == accepted and max(accepted) > 1
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "gpt_oss", "llama3"])
+def family_target(request, tmp_path_factory) -> nn.Module:
+    """A tiny random target of a family as `eval` loads it: hybrid linear/full attention (Qwen3.5, from
+    its multimodal checkpoint), sliding/full alternation (gpt-oss), plain full attention (Llama 3)."""
+    from dflash_cache.extract.target import load_target
+    from tests.extract.test_architectures import FAMILIES, LAYERS
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param) / "model"
+    FAMILIES[request.param]().float().eval().save_pretrained(path)
+    desc = describe_target(TargetSpec(model=str(path), dtype="float32", layers=LAYERS))
+    return load_target(desc, torch.device("cpu"), keep=desc.identity.num_hidden_layers)
+
+
+@pytest.mark.parametrize("kept", [1, 3, 5])
+def test_keeping_part_of_a_verified_block_is_as_if_only_that_part_was_seen(family_target, kept):
+    """A verify forward of 5 tokens of which only the first `kept` are the greedy ones, then `keep`:
+    decoding on from there gives the logits of one uncached forward over the kept sequence. On a
+    hybrid target this restores the linear-attention layers' recurrent state, which cannot be cropped
+    (random tiny weights barely move the argmax, so the logits are compared, not tokens)."""
+    prompt = list(range(7, 27))
+    reference = greedy_generate(family_target, prompt, 12)
+    with torch.no_grad():
+        full = family_target(input_ids=torch.tensor([prompt + reference])).logits[0, len(prompt) - 1:]
+    session = speculative.TargetSession(family_target, hidden_states=False)
+    session.forward(torch.tensor([prompt]))
+    junk = [(t + 101) % 256 for t in reference[kept:5]]  # not the greedy tokens
+    out = session.forward(torch.tensor([reference[:kept] + junk]))
+    session.keep(kept)
+    logits = [out.logits[0, kept - 1]]
+    for token in reference[kept:-1]:
+        out = session.forward(torch.tensor([[token]]))
+        session.keep(1)
+        logits.append(out.logits[0, -1])
+    torch.testing.assert_close(torch.stack(logits), full[kept:len(reference)], rtol=1e-4, atol=1e-5)
+
+
+def test_eval_is_lossless_on_a_hybrid_target(family_target):
+    """Speculative decoding with a random drafter (mostly rejected blocks) reproduces greedy decoding."""
+    from tests.extract.test_architectures import LAYERS
+
+    cfg = DrafterConfig.from_target(family_target.config, LAYERS, num_layers=1, block_size=4)
+    drafter = init_drafter(cfg, seed=0).eval()
+    result = evaluate(family_target, drafter, FrozenTargetHead.from_target(family_target), cfg,
+                      [list(range(5, 25)), list(range(30, 47))], 16)
+    assert result.lossless and sum(result.histogram.values()) > 0
