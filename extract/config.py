@@ -22,7 +22,9 @@ class ExtractConfig:
                                                               "rows), overriding the target tokenizer's.")
     out: str = option(path="dir", help="Cache directory to create or resume.")
     codec: str = option("bf16", choices=tuple(CODECS), help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
-                                                            "per-token scales (~2.4x smaller).")
+                                                            "per-token scales (~2.4x smaller); fp4: e2m1 + "
+                                                            "scales per 32 values and 8 bf16 outlier channels "
+                                                            "(~4x smaller).")
     limit: int | None = option(None, min=1, help="Use only the first N rows.")
     max_len: int | None = option(None, min=1, help="Longest row kept; see --overlong.")
     overlong: str = option("truncate", choices=OVERLONG_POLICIES,

@@ -68,11 +68,13 @@ def build_manifest(target: TargetDescription, dataset: TokenizedDataset, plan: P
                    max_len: int | None, overlong: str) -> Manifest:
     """The manifest of a cache of `dataset`'s features from `target`, made by `plan` from lengths
     taken under the --max-len policy (`max_len`, `overlong`)."""
+    feature_codec = get_codec(codec)
+    feature_codec.check(target.hidden_size)
     return Manifest(
         target=target.identity,
         layer_ids=tuple(target.layer_ids),
         hidden_size=target.hidden_size,
-        codec=get_codec(codec).name,
+        codec=feature_codec.name,
         dataset_fingerprint=dataset.fingerprint,
         dataset_description=dataset.description,
         plan=plan.params(max_len=max_len, overlong=overlong),
@@ -83,6 +85,7 @@ def plan_job(cfg: ExtractConfig) -> Job:
     """Validate everything and compute the plan; writes nothing."""
     interval_from_env(cfg.profile_interval)
     target = describe_target(cfg.target)
+    get_codec(cfg.codec).check(target.hidden_size)  # before minutes of scanning the data
     dataset = open_data(cfg.data, cfg.limit, chat_spec(cfg))
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
     check_context(scan.lengths, target.max_context, dataset)

@@ -46,6 +46,7 @@ from dflash_cache.store.codecs import ArraySpec, zstd_chain
 
 __all__ = [
     "E2M1_GRID",
+    "FP4_LAYOUT",
     "FP4_GROUP_ERROR_BOUND",
     "FP4_RELATIVE_ERROR_BOUND",
     "FP4_ROW_ERROR_BOUND",
@@ -88,6 +89,12 @@ class Fp4Config:
         k = self.outliers
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hidden_size or hidden_size > 32767:
             raise ValueError(f"fp4: outliers must be in [0, {hidden_size}] (hidden size <= 32767), got {k!r}")
+
+
+# What `--codec fp4` stores: the study's best size/error trade-off on features with massive
+# activations (README, "4-bit study"). A cache records only the codec's name, so this layout is
+# fixed for the name "fp4"; another layout needs another name.
+FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8)
 
 
 def fp4_arrays(cfg: Fp4Config, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:

@@ -313,9 +313,13 @@ class CacheReader:
     def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         arr = self._array(name, key)
         try:
-            return np.asarray(arr[start:stop])
+            values = np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
+        problem = self.codec.stored_problem(key, values, self.manifest.hidden_size)
+        if problem:
+            raise CacheCorruptError(f"segment {name}: array {key}: {problem}")
+        return values
 
     def read_segment(self, name: str) -> dict[str, np.ndarray]:
         """All arrays of one segment (stored dtypes), decoded from disk."""

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.codecs import Fp4Codec, get_codec
 from dflash_cache.store.fp8 import fp8_error_bound
 from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
 from dflash_cache.store.segments import SEGMENTS_DIR
 from tests.dflash_cache.store._util import bf16_features, flip_byte, synthetic_cache
 
@@ -71,6 +72,60 @@ def test_fp8_round_trip_within_bound(tmp_path):
         assert bool(((f.float() - x[lo:hi].float()).abs() <= bound[lo:hi]).all())
 
 
+def test_fp4_round_trip_within_bound(tmp_path):
+    """--codec fp4 through the store: its arrays as declared, decoded within the codec's bound,
+    the 8 outlier channels per token per layer exact."""
+    from dflash_cache.store.fp4 import FP4_LAYOUT, fp4_error_bound
+
+    m, [(rec, inp)] = synthetic_cache(tmp_path, "fp4")
+    x = inp["features"]
+    r = CacheReader(tmp_path)
+    arrays = r.read_segment(rec.name)
+    specs = get_codec("fp4").arrays(m.n_layers, m.hidden_size)
+    assert set(arrays) == {"input_ids", "loss_mask", "offsets", "sample_ids", *specs}
+    for key, spec in specs.items():
+        assert arrays[key].dtype == spec.dtype and arrays[key].shape == (60, spec.columns), key
+    decoded = r.decode_features(arrays)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == x.shape
+    err = (decoded.float() - x.float()).abs()
+    assert bool((err <= fp4_error_bound(x, m.n_layers, FP4_LAYOUT)).all())
+    assert int((err == 0).sum()) >= 60 * m.n_layers * FP4_LAYOUT.outliers and err.max().item() > 0
+    f = r.sample(1).features
+    torch.testing.assert_close(f, decoded[17:42], rtol=0, atol=0)
+
+
+def test_fp4_outlier_index_outside_the_layer_is_damage_not_a_crash(tmp_path, monkeypatch):
+    """A segment whose checksums hold but whose outlier indices point past the hidden size (a
+    cache made by other software, or on purpose) is reported as damaged, naming it, by reads and
+    by verify; decoding never sees the index (on a GPU it would be a device-side assert)."""
+    real_encode = Fp4Codec.encode
+
+    def encode_with_a_bad_index(self, features, n_layers):
+        out = real_encode(self, features, n_layers)
+        out["outlier_idx"][5, 3] = features.shape[1] // n_layers  # one past a layer's last channel
+        return out
+
+    monkeypatch.setattr(Fp4Codec, "encode", encode_with_a_bad_index)
+    _, [(rec, _)] = synthetic_cache(tmp_path, "fp4")
+    r = CacheReader(tmp_path)
+    with pytest.raises(CacheCorruptError, match=f"segment {rec.name}: array outlier_idx: outlier channel 32 is "
+                                                 "outside the hidden size 32"):
+        r.read_segment(rec.name)
+    assert r.sample(2).features.shape[0] == 18  # sample 2 is rows 42..59: its indices are fine
+    [problem] = verify(r)
+    assert problem.startswith(f"segment {rec.name}: array outlier_idx")
+
+
+def test_fp4_refuses_a_hidden_size_it_cannot_group():
+    """Groups of 32 must tile a layer's row: a target with another hidden size gets a one-line
+    refusal naming the way out, before anything runs."""
+    get_codec("fp4").check(4096)
+    with pytest.raises(UserError, match=r"--codec fp4 cannot store .*hidden size 48.*use --codec fp8") as info:
+        get_codec("fp4").check(48)
+    assert "\n" not in str(info.value)
+    get_codec("fp8").check(48)
+
+
 def test_encode_refuses_non_bf16():
     with pytest.raises(ValueError, match="bfloat16"):
         get_codec("bf16").encode(torch.zeros(2, 4), 1)
@@ -116,14 +171,20 @@ def test_bf16_compresses_smaller_than_none(real_cache, demo_tokens):
 
 
 def test_real_caches_agree_across_codecs(real_cache):
-    """The lossless codecs store identical features; fp8 stays within its bound of them."""
-    none, bf16, fp8 = (CacheReader(real_cache(c)) for c in ("none", "bf16", "fp8"))
+    """The lossless codecs store identical features; fp8 and fp4 stay within their bounds of them."""
+    from dflash_cache.store.fp4 import FP4_LAYOUT, fp4_error_bound
+
+    none, bf16, fp8, fp4 = (CacheReader(real_cache(c)) for c in ("none", "bf16", "fp8", "fp4"))
     sid = int(none.index.column("sample_id")[5].as_py())
-    a, b, c = none.sample(sid), bf16.sample(sid), fp8.sample(sid)
+    a, b, c, d = none.sample(sid), bf16.sample(sid), fp8.sample(sid), fp4.sample(sid)
     np.testing.assert_array_equal(_bits(a.features), _bits(b.features))
     np.testing.assert_array_equal(a.input_ids, c.input_ids)
+    np.testing.assert_array_equal(a.input_ids, d.input_ids)
     bound = fp8_error_bound(a.features, 5)
     assert bool(((c.features.float() - a.features.float()).abs() <= bound).all())
+    bound4 = fp4_error_bound(a.features, 5, FP4_LAYOUT)
+    assert bool(((d.features.float() - a.features.float()).abs() <= bound4).all())
+    assert verify(fp4) == []
 
 
 def test_bf16_features_helper_has_the_promised_specials():
