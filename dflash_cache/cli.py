@@ -31,6 +31,7 @@ from dflash_cache.options import ConfigCommand  # noqa: E402
 
 if TYPE_CHECKING:
     from dflash_cache.extract.config import ExtractConfig
+    from dflash_cache.extract.regenerate import RegenerateConfig
     from dflash_cache.train.run_config import TrainConfig
 
 
@@ -63,6 +64,18 @@ def extract(cfg: ExtractConfig, gpus: str) -> None:
     from dflash_cache.extract.run import extract as run_extract
 
     run_extract(cfg, gpus, echo=click.echo)
+
+
+@cli.command(cls=ConfigCommand, config="dflash_cache.extract.regenerate:RegenerateConfig")
+@click.option("--device", default="auto", show_default=True, help="Target device: 'auto', 'cpu' or 'cuda[:i]'.")
+def regenerate(cfg: RegenerateConfig, device: str) -> None:
+    """Replace a chat dataset's assistant turns with the target's own greedy replies (JSONL out)."""
+    from dflash_cache.extract.regenerate import regenerate as run_regenerate
+    from dflash_cache.train.trainer import resolve_device
+
+    r = run_regenerate(cfg, resolve_device(device))
+    click.echo(f"wrote {cfg.out}: {r.rows} conversations, {r.turns} assistant turns regenerated ({r.tokens} tokens, "
+               f"{r.cut} cut at --max-new-tokens); {r.dropped} rows dropped")
 
 
 @cli.command(cls=ConfigCommand, config="dflash_cache.train.run_config:TrainConfig")

@@ -100,15 +100,16 @@ class ChatEncoder:
             h.update(backend.to_str().encode())
         self.identity = h.hexdigest()
 
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        """The conversation as the template renders it (with the assistant's generation prompt)."""
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
     def encode(self, messages: object) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of one conversation; raises `Dropped` with the reason."""
-        msgs = _clean(messages)
+        msgs = clean_messages(messages)
         try:
-            full = self._render(msgs)
+            full = self.render(msgs)
             spans = [self._span(full, msgs, i) for i, m in enumerate(msgs) if m["role"] == "assistant"]
         except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the row's (or the template's) fault
             raise Dropped(f"the chat template failed: {one_line(exc)}") from exc
@@ -128,7 +129,7 @@ class ChatEncoder:
         content = msgs[i]["content"].strip()
         if not content:
             return 0, 0
-        before = self._render(msgs[:i], generation_prompt=True) if i else ""
+        before = self.render(msgs[:i], generation_prompt=True) if i else ""
         start = _common_prefix(before, full)
         pos = full.find(content, start)
         if pos < 0:
@@ -147,7 +148,7 @@ def _common_prefix(a: str, b: str) -> int:
     return int(diff[0])
 
 
-def _clean(messages: object) -> list[dict]:
+def clean_messages(messages: object) -> list[dict]:
     """The messages as plain dicts (Arrow structs fill absent keys with None, which templates misread)."""
     if not isinstance(messages, list) or not messages:
         raise Dropped("messages is empty or not a list")

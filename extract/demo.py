@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from dflash_cache.errors import UserError
+from dflash_cache.extract.generation import cut_at_stop, greedy_complete
 from dflash_cache.extract.target import weights_fingerprint
 from dflash_cache.extract.tiny import TINY, TINY_DIR, TINY_PROMPTS_FILE, build_tiny_target
 from dflash_cache.files import write_parquet_atomic
@@ -98,33 +98,12 @@ def generate_demo_table(num_samples: int = NUM_SAMPLES, seed: int = DEMO_SEED,
 
 def complete(model, prompts: list[list[int]], new_tokens: int) -> np.ndarray:
     """Greedy completions [len(prompts), new_tokens] of left-padded prompts batched together."""
-    p_len = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), p_len), EOT_ID, dtype=np.int64)
-    attention = np.zeros((len(prompts), p_len), dtype=np.int64)
-    for r, p in enumerate(prompts):  # left padding: prompt at the right end
-        ids[r, p_len - len(p) :] = p
-        attention[r, p_len - len(p) :] = 1
-    return greedy_generate(model, torch.from_numpy(ids), torch.from_numpy(attention), new_tokens)
+    return greedy_complete(model, prompts, new_tokens, pad_id=EOT_ID)
 
 
 def cut_at_eot(completion: np.ndarray) -> np.ndarray:
     """The completion up to and including its first end-of-text token."""
-    hits = np.flatnonzero(completion == EOT_ID)
-    return completion[: hits[0] + 1] if hits.size else completion
-
-
-@torch.inference_mode()
-def greedy_generate(model, prompts: torch.Tensor, attention: torch.Tensor, new_tokens: int) -> np.ndarray:
-    """Greedy decoding with a KV cache for left-padded prompts; returns [B, new_tokens] ids."""
-    out = model.generate(
-        input_ids=prompts,
-        attention_mask=attention,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=EOT_ID,
-    )
-    return out[:, prompts.shape[1] :].numpy()
+    return cut_at_stop(completion, (EOT_ID,))
 
 
 def write_demo_rows(table: pa.Table, path: Path) -> None:

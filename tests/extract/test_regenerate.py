@@ -1,0 +1,110 @@
+"""`dflash-cache regenerate`: assistant turns replaced by the target's own greedy replies, turn by
+turn, batched; the output is a chat dataset the other commands read; bad input and failures leave
+no file behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dflash_cache.cli import cli
+from dflash_cache.extract import regenerate as regenerate_module
+from dflash_cache.extract.chat import ChatSpec
+from dflash_cache.extract.dataset import open_dataset
+from dflash_cache.extract.regenerate import RegenerateConfig, regenerate
+from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.train.speculative import greedy_generate
+from tests.extract.test_chat import CHATS, write_jsonl
+from tests.train.conftest import one_torch_thread
+
+NEW_TOKENS = 10
+EOT_ID = 0  # the tiny tokenizer's end of text, its template's end of an assistant turn
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
+    """CHATS (one two-turn conversation, one single-turn) plus an unusable row, regenerated in one
+    batch of 4 rows (left padding); returns (output file, its conversations)."""
+    root = tmp_path_factory.mktemp("regen")
+    data = write_jsonl(root / "chat.jsonl", [*CHATS, [], CHATS[0]])
+    out = root / "out" / "regen.jsonl"
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=NEW_TOKENS, batch_size=4,
+                           dtype="float32", progress=False)
+    import torch
+
+    with one_torch_thread():
+        report = regenerate(cfg, torch.device("cpu"))
+    rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert (report.rows, report.dropped, len(rows)) == (len(CHATS) + 1, 1, len(CHATS) + 1)
+    assert report.turns == sum(m["role"] == "assistant" for c in [*CHATS, CHATS[0]] for m in c)
+    return out, rows
+
+
+def test_each_assistant_turn_is_the_targets_greedy_reply_to_what_precedes_it(regenerated):
+    """Checked one prompt at a time with the decoding eval uses (no padding, another code path): turn
+    k is the target's greedy reply to the conversation up to it, earlier turns already regenerated;
+    system and user turns are untouched."""
+    _, rows = regenerated
+    target = build_tiny_target().float()
+    encoder = ChatSpec("tiny").load()
+    originals = [*CHATS, CHATS[0]]
+    with one_torch_thread():
+        for conv, original in zip(rows, originals, strict=True):
+            assert [m["role"] for m in conv] == [m["role"] for m in original]
+            for i, message in enumerate(conv):
+                if message["role"] != "assistant":
+                    assert message == original[i]
+                    continue
+                prompt = encoder.tokenizer(encoder.render(conv[:i], generation_prompt=True),
+                                           add_special_tokens=False)["input_ids"]
+                reply = np.asarray(greedy_generate(target, prompt, NEW_TOKENS))
+                stop = np.flatnonzero(reply == EOT_ID)
+                reply = reply[: stop[0]] if stop.size else reply
+                assert message["content"] == encoder.tokenizer.decode(reply, skip_special_tokens=True)
+    assert rows[0] == rows[-1], "the same conversation regenerates the same way in another batch row"
+
+
+def test_the_output_is_a_chat_dataset(regenerated):
+    """extract reads the file as chat rows: the loss mask covers the regenerated replies."""
+    out, rows = regenerated
+    dataset = open_dataset(str(out), chat=ChatSpec("tiny"))
+    assert dataset.num_rows == len(rows)
+    row = next(iter(dataset.read_rows(0, 1, max_len=None)))
+    assert 0 < int(row.loss_mask.sum()) < len(row.input_ids)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, small_parquet):
+    out = tmp_path / "regen.jsonl"
+    r = CliRunner().invoke(cli, ["regenerate", "--model", "tiny", "--data", str(small_parquet), "--out", str(out)])
+    assert r.exit_code == 2 and "has no 'messages' column" in r.output and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(cli, ["regenerate", "--model", "tiny", "--data", str(small_parquet), "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "is a directory" in r.output, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_midway_leaves_no_file(tmp_path, monkeypatch):
+    """The output appears only when complete: a crash in the second batch leaves neither the file nor
+    its temporary beside it."""
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS * 2)
+    out = tmp_path / "out.jsonl"
+    calls = []
+    real = regenerate_module.greedy_complete
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("simulated failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate_module, "greedy_complete", failing)
+    import torch
+
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=4, batch_size=1,
+                           dtype="float32", progress=False)
+    with pytest.raises(RuntimeError, match="simulated"), one_torch_thread():
+        regenerate(cfg, torch.device("cpu"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
