@@ -1,9 +1,12 @@
-"""Codec study: drafters trained on the same data from `none`, `bf16` and `fp8` caches.
+"""Codec study: drafters trained on the same data from caches of each codec (`none`, `bf16`, `fp8`, `fp4`).
 
 For each codec: extract the demo data with the tiny target (same plan), measure bytes/token and
 the features' relative error against the `none` cache, train a drafter with the same seed and
-settings, and measure real acceptance with speculative decoding. Prints one table. Runs on a CPU
-(a few minutes); pass --target/--data for a real target on a GPU.
+settings, and measure real acceptance with speculative decoding over the same prompts. Decoding is
+lossless, so every codec emits the same tokens per prompt and tau / bf16's tau is the ratio of the
+verify forwards they needed; its 95% interval comes from resampling the prompts (paired). That is
+the decoding noise; retraining a drafter with another seed varies it too. Runs on a CPU (minutes);
+pass --target/--data for a real target on a GPU.
 
     python bench/codec_study.py [--steps 200] [--prompts 8] [--out /tmp/dflash-codec-study]
 """
@@ -17,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,11 +49,21 @@ def relative_error(reader: CacheReader, reference: CacheReader) -> float:
     return (num / den) ** 0.5
 
 
+def paired_ratio_interval(base_steps: list[int], steps: list[int], resamples: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of tau / base tau = sum(base steps) / sum(steps) over resampled prompts
+    (the same prompts for both: each emits the same tokens under every codec)."""
+    rng = np.random.default_rng(0)
+    b, s = np.asarray(base_steps, float), np.asarray(steps, float)
+    pick = rng.integers(0, len(b), size=(resamples, len(b)))
+    ratios = b[pick].sum(1) / s[pick].sum(1)
+    return float(np.quantile(ratios, 0.025)), float(np.quantile(ratios, 0.975))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny")
     ap.add_argument("--data", default="demo")
-    ap.add_argument("--codecs", default="none,bf16,fp8")
+    ap.add_argument("--codecs", default="none,bf16,fp8,fp4")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -80,17 +94,25 @@ def main() -> None:
         last = Trainer.build(cfg, device=device).fit()
         dcfg, drafter = drafter_from_export(run / "export")
         r = evaluate(target, drafter.to(device=device, dtype=torch.float32), head, dcfg, prompts, args.max_new_tokens)
+        accepted = torch.repeat_interleave(torch.tensor(list(r.histogram)), torch.tensor(list(r.histogram.values())))
+        tau_se = float(accepted.double().std() / len(accepted) ** 0.5) if len(accepted) > 1 else float("nan")
         rows.append({"codec": codec, "bytes_per_token": summary["bytes_per_token"],
                      "relative_error": relative_error(reader, reference), "final_loss": last["loss"],
                      "slot_acc": last["slot_acc"][:3], "tau_hat": last["tau_hat"], "tau": r.tau,
+                     "tau_se": tau_se, "verify_steps": len(accepted), "steps_per_prompt": r.steps_per_prompt,
                      "lossless": r.lossless})
         print(json.dumps(rows[-1]), flush=True)
-    print("\n| codec | bytes/token | rel. feature error | final loss | acc slots 1-3 | tau_hat | tau |")
-    print("|---|---:|---:|---:|---|---:|---:|")
+    base = next((r for r in rows if r["codec"] == "bf16"), rows[0])
+    print("\n| codec | bytes/token | rel. feature error | final loss | acc slots 1-3 | tau_hat | tau (+- s.e.) "
+          "| tau / bf16's (95% interval) |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         acc = " / ".join(f"{a:.3f}" for a in r["slot_acc"])
+        lo, hi = paired_ratio_interval(base["steps_per_prompt"], r["steps_per_prompt"])
+        r["tau_ratio"], r["tau_ratio_interval"] = r["tau"] / base["tau"], [lo, hi]
         print(f"| `{r['codec']}` | {r['bytes_per_token']:,.0f} | {r['relative_error']:.4f} | {r['final_loss']:.3f} | "
-              f"{acc} | {r['tau_hat']:.3f} | {r['tau']:.3f} |")
+              f"{acc} | {r['tau_hat']:.3f} | {r['tau']:.3f} +- {r['tau_se']:.3f} | {r['tau_ratio']:.3f} "
+              f"({lo:.3f}-{hi:.3f}) |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -184,12 +184,13 @@ class EvalResult:
     speculative_tok_s: float
     lossless: bool
     mismatches: list[int] = field(default_factory=list)  # prompt indices whose output differed
+    steps_per_prompt: list[int] = field(default_factory=list)  # verify forwards each prompt took
 
 
 def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, cfg: DrafterConfig,
              prompts: list[list[int]], max_new_tokens: int) -> EvalResult:
     accepted: list[int] = []
-    mismatches = []
+    mismatches, steps = [], []
     t_greedy = t_spec = 0.0
     for i, prompt in enumerate(prompts):
         t0 = time.perf_counter()
@@ -199,6 +200,7 @@ def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, 
         t2 = time.perf_counter()
         t_greedy, t_spec = t_greedy + t1 - t0, t_spec + t2 - t1
         accepted += acc
+        steps.append(len(acc))
         if tokens != reference:
             mismatches.append(i)
             log.warning("prompt %d: speculative output differs from greedy at token %d", i,
@@ -212,6 +214,7 @@ def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, 
         speculative_tok_s=n / t_spec if t_spec else 0.0,
         lossless=not mismatches,
         mismatches=mismatches,
+        steps_per_prompt=steps,
     )
 
 
