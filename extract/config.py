@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash_cache.errors import UserError
 from dflash_cache.extract.dataset import OVERLONG_POLICIES
 from dflash_cache.extract.target import TargetSpec
 from dflash_cache.options import check_options, option
@@ -34,6 +35,10 @@ class ExtractConfig:
     dry_run: bool = option(False, help="Write nothing to --out: print the plan, the committed segments, the expected "
                                        "cache size and time (measured by extracting a few planned batches into a "
                                        "temporary directory on one device) and --out's free space.")
+    gpus_per_target: int = option(1, min=1, help="Run one copy of the target split over this many GPUs with tensor "
+                                                 "parallelism (transformers' tp_plan), for targets one GPU cannot "
+                                                 "hold. For now it must equal the number of GPUs (--gpus or "
+                                                 "torchrun's ranks): one copy over all of them.")
     writers: int = option(4, min=1, help="Threads compressing and writing segments.")
     prefetch: int = option(2, min=1, help="Batches read ahead of the forward.")
     profile_interval: float | None = option(None, min=0, min_open=True, help=INTERVAL_HELP)
@@ -41,3 +46,6 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.dry_run and self.gpus_per_target > 1:
+            raise UserError("--dry-run measures the target on one device; it cannot measure --gpus-per-target "
+                            f"{self.gpus_per_target} yet: drop one of them")

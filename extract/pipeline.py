@@ -138,8 +138,9 @@ class RankExtractor:
     def __init__(self, *, root: Path, dataset: TokenizedDataset, model: torch.nn.Module, layer_ids: list[int],
                  codec: str, device: torch.device, rank: int, writers: int, prefetch: int,
                  unit_rows: int, max_len: int | None, overlong: str, profiler: StageProfiler,
-                 progress: bool) -> None:
+                 progress: bool, writes: bool = True) -> None:
         self.root, self.dataset, self.device, self.rank = root, dataset, device, rank
+        self.writes = writes  # False: a tensor-parallel rank that only takes part in the forwards
         self.capture = HiddenStateCapture(model, layer_ids)
         self.n_layers = len(layer_ids)
         self.codec = get_codec(codec)
@@ -164,7 +165,8 @@ class RankExtractor:
     def run(self, batches: list[PlannedBatch]) -> RankResult:
         total = sum(b.num_tokens for b in batches)
         t0 = time.perf_counter()
-        self.prepare(batches)
+        if self.writes:
+            self.prepare(batches)
         bar = tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1,
                    desc=f"extract rank {self.rank}", disable=not self.progress)
         reader = Producer(functools.partial(read_batches, self.dataset, batches, unit_rows=self.unit_rows,
@@ -185,6 +187,9 @@ class RankExtractor:
         try:
             with ThreadPoolExecutor(self.writers, thread_name_prefix="dflash-writer") as pool:
                 for host in reader:
+                    if not self.writes:
+                        self.capture(*host.forward.to(self.device))
+                        continue
                     self._raise_first_error(futures)
                     job = self._forward(host)
                     in_flight.acquire()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
@@ -108,9 +109,17 @@ def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[
 def extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Callable[[str], None]) -> None:
     """What every rank runs, as torchrun's environment (RANK, WORLD_SIZE) says; without it, the only rank."""
     rank, world = torchrun_env() or (0, 1)
+    tensor_parallel = cfg.gpus_per_target > 1
+    if tensor_parallel and world != cfg.gpus_per_target:
+        raise UserError(f"--gpus-per-target {cfg.gpus_per_target} runs one copy of the target over all the GPUs, so it "
+                        f"needs exactly {cfg.gpus_per_target} of them (--gpus or torchrun's ranks), got {world}; "
+                        "several copies at once are not supported yet")
     with contextlib.ExitStack() as stack:  # unwinds with the exception, so a refused run's lock file goes
         if world > 1:
-            dist.init_process_group("gloo")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            # Coordination runs on gloo; a tensor-parallel target's collectives on CUDA tensors need NCCL.
+            dist.init_process_group("cpu:gloo,cuda:nccl" if tensor_parallel and device.type == "cuda" else "gloo")
             stack.callback(dist.destroy_process_group)
         job, committed = _open_cache(cfg, rank, world, echo, stack)
         t0 = time.perf_counter()
@@ -159,19 +168,24 @@ def _word_of_rank_0(world: int, error: str | None, committed: set[str]) -> tuple
 
 
 def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: torch.device) -> None:
+    """This rank's share of the missing segments. With --gpus-per-target every rank runs every batch
+    (each holds a share of the target's weights) and rank 0 writes."""
     cfg = job.config
-    batches = deal(job.plan.missing(committed), world)[rank]
+    tensor_parallel = cfg.gpus_per_target > 1
+    batches = job.plan.missing(committed) if tensor_parallel else deal(job.plan.missing(committed), world)[rank]
     if not batches:
         log.info("rank %d: nothing to do", rank)
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_target(job.target, device)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",)) if tensor_parallel else None
+    model = load_target(job.target, device, tp_mesh=mesh)
     profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
     extractor = RankExtractor(
         root=job.root, dataset=job.dataset, model=model, layer_ids=job.target.layer_ids, codec=cfg.codec,
         device=device, rank=rank, writers=cfg.writers, prefetch=cfg.prefetch, unit_rows=cfg.plan.unit_rows,
         max_len=cfg.max_len, overlong=cfg.overlong, profiler=profiler, progress=cfg.progress and rank == 0,
+        writes=rank == 0 or not tensor_parallel,
     )
     result = extractor.run(batches)
     log.info("rank %d: %d segments, %d tokens in %.1fs (%.0f tok/s)", rank, result.segments, result.tokens,

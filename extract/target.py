@@ -11,22 +11,27 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from dflash_cache.errors import UserError
-from dflash_cache.extract.tiny import TINY, build_tiny_target, tiny_config, tiny_weights_path
+from dflash_cache.extract.tiny import TINY, TINY_DIR, build_tiny_target, tiny_config, tiny_weights_path
 from dflash_cache.files import hash_ends
 from dflash_cache.options import check_options, option
 from dflash_cache.store.manifest import TargetIdentity
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +198,18 @@ def describe_target(spec: TargetSpec) -> TargetDescription:
     return TargetDescription(spec=spec, config=config, identity=identity, layer_ids=layer_ids)
 
 
-def load_target(desc: TargetDescription, device: torch.device, keep: int | None = None) -> nn.Module:
+def load_target(desc: TargetDescription, device: torch.device, keep: int | None = None,
+                tp_mesh: DeviceMesh | None = None) -> nn.Module:
     """The target's weights cut after its last selected layer (or after `keep` layers; 0 loads only
-    the embedding and LM head, which is what the drafter needs), in eval mode, on `device`."""
+    the embedding and LM head, which is what the drafter needs), in eval mode, on `device`. With
+    `tp_mesh` (a 1-D device mesh over every rank), each rank holds its tensor-parallel share of
+    the weights (transformers' tp_plan) and all of them run each forward together."""
     keep = desc.layer_ids[-1] + 1 if keep is None else keep
     dtype = parse_dtype(desc.spec.dtype)
-    if desc.spec.model == TINY:
+    if desc.spec.model == TINY and tp_mesh is None:
         model = build_tiny_target(keep)
     else:
-        model = _load_language_model(desc, keep, dtype)
+        model = _load_language_model(desc, keep, dtype, tp_mesh)
     warn_if_slow_hybrid(desc.config, device)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
@@ -226,7 +234,21 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(before)
 
 
-def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype) -> nn.Module:
+def _tensor_parallel(mesh: DeviceMesh | None) -> dict[str, Any]:
+    """from_pretrained's arguments for tensor parallelism over `mesh` (none without one): newer
+    transformers take the plan in a DistributedConfig, older ones as `tp_plan`."""
+    if mesh is None:
+        return {}
+    import transformers
+
+    config_class = getattr(transformers, "DistributedConfig", None)
+    if config_class is not None and "tp_plan" in inspect.signature(config_class).parameters:
+        return {"distributed_config": config_class(tp_plan="auto"), "device_mesh": mesh}
+    return {"tp_plan": "auto", "device_mesh": mesh}
+
+
+def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype,
+                         tp_mesh: DeviceMesh | None = None) -> nn.Module:
     """The causal LM of the (text) config cut to `keep` layers. For a multimodal checkpoint that is the
     text-only class (e.g. Qwen3_5ForCausalLM), whose transformers conversion maps the wrapper's
     weight names and skips the vision tower; a weight left unloaded is refused, never left random."""
@@ -239,8 +261,9 @@ def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype)
     try:
         with _quiet_transformers():  # its report lists every weight of the layers cut away as unexpected
             model, info = AutoModelForCausalLM.from_pretrained(
-                desc.spec.model, config=config, dtype=dtype, output_loading_info=True,
-                trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
+                str(TINY_DIR) if desc.spec.model == TINY else desc.spec.model, config=config, dtype=dtype,
+                output_loading_info=True, trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
+                **_tensor_parallel(tp_mesh),
             )
     except Exception as e:
         raise UserError(f"--model {desc.spec.model}: cannot load weights ({type(e).__name__}: {e})") from None

@@ -27,6 +27,7 @@ from dflash_cache.errors import UserError
 from dflash_cache.extract import run
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.launch import RankFailed, launch
+from dflash_cache.extract.target import TargetSpec
 from dflash_cache.store.manifest import read_manifest
 from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
@@ -127,6 +128,53 @@ def test_two_launched_cpu_ranks_extract_the_exact_cache(small_parquet, tmp_path)
     assert sample_ids(out) == list(range(48))
     reader = CacheReader(out)
     assert reader.complete and not verify(reader)
+
+
+def _tiny_split_in_two(*, device: torch.device, echo: Callable[[str], None]) -> None:
+    """A launched rank: load the tiny target split over both ranks; say how one MLP matrix is held."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dflash_cache.extract.target import describe_target, load_target
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = load_target(describe_target(TargetSpec(model="tiny", dtype="float32")), device, tp_mesh=mesh)
+        w = model.model.layers[0].mlp.up_proj.weight
+        echo(f"{tuple(w.to_local().shape)} of {tuple(w.shape)}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_target_split_over_two_ranks_extracts_what_one_process_does(small_parquet, tmp_path):
+    """--gpus-per-target 2: both ranks hold half of every weight matrix (transformers' tp_plan, over
+    gloo here) and run every batch; rank 0 writes. Same samples as a one-process cache, features
+    equal but for rounding (the partial sums meet in another order; float32 compute, bf16 stored),
+    verify clean."""
+    single, split = tmp_path / "single", tmp_path / "split"
+    fp32 = TargetSpec(model="tiny", dtype="float32")
+    run.extract_on(extract_config(small_parquet, single, target=fp32), [torch.device("cpu")], echo=lambda _: None)
+    said = []
+    run.extract_on(extract_config(small_parquet, split, target=fp32, gpus_per_target=2), TWO_CPUS,
+                   echo=said.append)
+    assert said[-1].startswith("complete: 9/9 segments")
+    assert {r.rank for r in read_records(split)} == {0}
+    shards = []
+    launch(_tiny_split_in_two, (), TWO_CPUS, echo=shards.append)
+    assert shards == ["(192, 128) of (384, 128)"] * 2, "each rank holds half of the MLP's rows"
+    a, b = CacheReader(single), CacheReader(split)
+    assert b.complete and not verify(b) and sample_ids(split) == sample_ids(single) == list(range(48))
+    for sid in (0, 17, 47):
+        x, y = a.sample(sid).features.float(), b.sample(sid).features.float()
+        assert float((y - x).norm() / x.norm()) < 1e-3
+
+
+def test_gpus_per_target_needs_exactly_that_many_ranks(small_parquet, tmp_path):
+    with pytest.raises(UserError, match=r"--gpus-per-target 2 runs one copy .* needs exactly 2 of them .* got 1"):
+        run.extract_on(extract_config(small_parquet, tmp_path / "c", gpus_per_target=2), [torch.device("cpu")])
+    with pytest.raises(UserError, match="--dry-run measures the target on one device"):
+        extract_config(small_parquet, tmp_path / "c", gpus_per_target=2, dry_run=True)
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_rank_out_of_disk_ends_the_run_in_one_line_and_a_rerun_resumes(small_parquet, tmp_path):
