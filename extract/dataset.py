@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -87,6 +88,16 @@ def _row_of(flat_index: int, lengths: np.ndarray) -> int:
     return int(np.searchsorted(np.cumsum(lengths), flat_index, side="right"))
 
 
+def hash_source_files(h: Any, source: Source) -> None:
+    """Feed `h` each file's name, size and sha256 of its first and last MiB: a cheap identity of the data."""
+    for path in source.files:
+        size = path.stat().st_size
+        h.update(f"{source.rel_name(path)}\0{size}\0".encode())
+        part = hashlib.sha256()
+        hash_ends(part, path, size)
+        h.update(part.digest())
+
+
 class TokenizedDataset:
     """A tokenized dataset with `input_ids` plus `loss_mask` or `labels`, read lazily by row range
     (a chat dataset is tokenized on the fly by its `ChatSource`; its unusable rows come back empty
@@ -123,12 +134,7 @@ class TokenizedDataset:
             with pa.ipc.new_stream(sink, self._table.schema) as writer:
                 writer.write_table(self._table)
             h.update(sink.getvalue())
-        for path in self._source.files:
-            size = path.stat().st_size
-            h.update(f"{self._source.rel_name(path)}\0{size}\0".encode())
-            part = hashlib.sha256()
-            hash_ends(part, path, size)
-            h.update(part.digest())
+        hash_source_files(h, self._source)
         h.update(f"limit={self._limit}".encode())
         if self._chat is not None:  # another template or tokenizer gives other rows
             h.update(f"\0chat={self._chat}".encode())

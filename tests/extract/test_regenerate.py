@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
+from dflash_cache.errors import UserError
 from dflash_cache.extract import regenerate as regenerate_module
 from dflash_cache.extract.chat import ChatSpec
 from dflash_cache.extract.dataset import open_dataset
@@ -86,25 +87,43 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, small_parquet):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_failure_midway_leaves_no_file(tmp_path, monkeypatch):
-    """The output appears only when complete: a crash in the second batch leaves neither the file nor
-    its temporary beside it."""
+def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path, monkeypatch):
+    """A crash while generating the second part leaves no output file, only the finished first part;
+    the same command again generates the other parts only, and writes what an uninterrupted run
+    writes. Another setting is refused while those parts are there."""
     data = write_jsonl(tmp_path / "chat.jsonl", CHATS * 2)
-    out = tmp_path / "out.jsonl"
+    import torch
+
+    def cfg(out: Path, **kw) -> RegenerateConfig:
+        base = dict(model="tiny", data=str(data), out=str(out), max_new_tokens=4, batch_size=1, part_rows=1,
+                    dtype="float32", progress=False)
+        return RegenerateConfig(**{**base, **kw})
+
+    with one_torch_thread():
+        regenerate(cfg(tmp_path / "straight.jsonl"), torch.device("cpu"))
     calls = []
     real = regenerate_module.greedy_complete
 
-    def failing(*args, **kwargs):
+    def counting(*args, **kwargs):
         calls.append(1)
-        if len(calls) > 1:
+        if fail and len(calls) > 2:  # the first row (2 assistant turns) is part 0
             raise RuntimeError("simulated failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(regenerate_module, "greedy_complete", failing)
-    import torch
-
-    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=4, batch_size=1,
-                           dtype="float32", progress=False)
+    monkeypatch.setattr(regenerate_module, "greedy_complete", counting)
+    out = tmp_path / "out.jsonl"
+    fail = True
     with pytest.raises(RuntimeError, match="simulated"), one_torch_thread():
-        regenerate(cfg, torch.device("cpu"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
+        regenerate(cfg(out), torch.device("cpu"))
+    assert not out.exists()
+    assert sorted(p.name for p in (tmp_path / "out.jsonl.parts").iterdir()) == [
+        "params.json", "part-000000000000-000000000001.jsonl"]
+    with pytest.raises(UserError, match="holds the parts of a run with another max_new_tokens"):
+        regenerate(cfg(out, max_new_tokens=5), torch.device("cpu"))
+    fail, calls[:] = False, []
+    with one_torch_thread():
+        report = regenerate(cfg(out), torch.device("cpu"))
+    assert report.resumed_parts == 1 and report.rows == 6
+    assert len(calls) == 1 + 1 + 2 + 1 + 1, "rows 1..5 only, one call per assistant turn (row 0 had 2)"
+    assert out.read_text() == (tmp_path / "straight.jsonl").read_text()
+    assert not (tmp_path / "out.jsonl.parts").exists()
