@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dflash_cache.errors import UserError
+from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
@@ -240,6 +240,17 @@ class Trainer:
         valid = weights > 0
         return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
 
+    def _step_or_explain(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """`train_step`, with a compiler that cannot build kernels on this machine (no C compiler, a
+        GPU its Triton does not support) reported as one line naming the way out."""
+        try:
+            return self.train_step(batch)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            cause = getattr(e, "inner_exception", None) or e
+            raise UserError(f"torch.compile could not build the drafter's kernels here ({type(cause).__name__}: "
+                            f"{one_line(cause)}); run again with --no-compile (and --resume to continue from the "
+                            "last checkpoint)") from e
+
     def fit(self) -> dict[str, float]:
         """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics.
 
@@ -270,7 +281,7 @@ class Trainer:
                         break
                     if first_step:
                         t_batch = time.perf_counter()
-                    window.append(self.train_step(batch))
+                    window.append(self._step_or_explain(batch))
                     if first_step:
                         self._log_startup(t_start, t_batch)
                         first_step = False

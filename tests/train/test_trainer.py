@@ -240,3 +240,20 @@ def test_a_run_shorter_than_the_profile_interval_still_reports_its_stages(demo_c
         Trainer.build(cfg, device=torch.device("cpu")).fit()
     reports = [m for m in caplog.messages if "drafter.forward" in m]
     assert len(reports) == 1 and "n=2" in reports[0], caplog.messages
+
+
+def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo_cache, tmp_path, monkeypatch):
+    """On a machine where torch.compile fails (no C compiler, a GPU its Triton does not support) the
+    run stops with one line and exit status 2 that says to pass --no-compile, not a traceback."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def no_compiler(self, batch):
+        raise BackendCompilerFailed(None, RuntimeError("Failed to find C compiler.\nPlease specify via CC"), None)
+
+    monkeypatch.setattr(Trainer, "train_step", no_compiler)
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
+                                 "--max-steps", "2", "--no-progress"])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == ("Error: torch.compile could not build the drafter's kernels here (RuntimeError: Failed "
+                                "to find C compiler.); run again with --no-compile (and --resume to continue from "
+                                "the last checkpoint)"), r.output
