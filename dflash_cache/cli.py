@@ -168,6 +168,7 @@ def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as
     """What is in a cache: summary, buckets, missing units, samples, verification."""
     import contextlib
 
+    from dflash_cache.store.location import is_url
     from dflash_cache.store.lock import CacheLock
     from dflash_cache.store.reader import CacheReader
     from dflash_cache.store.repair import is_half_made
@@ -182,7 +183,9 @@ def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as
 
     if repair and not do_verify:
         raise UserError("--repair works on what verification finds: pass --verify --repair")
-    if is_half_made(Path(cache)):
+    if repair and is_url(cache):
+        raise UserError(f"--repair changes the cache, and {cache} is read-only here; repair a local copy")
+    if not is_url(cache) and is_half_made(Path(cache)):
         raise UserError(f"cache {cache} was interrupted while being created; run the extract command again to make it")
     reader = CacheReader(cache)  # checks the path before a repair's lock could create anything there
     with CacheLock(Path(cache), flag=None) if repair else contextlib.nullcontext():

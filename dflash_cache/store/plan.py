@@ -186,7 +186,13 @@ def planned_segments(root: Path) -> list[tuple[int, int]]:
     """(unit, batch) of every planned segment, from plan.parquet."""
     if not os.path.lexists(root / PLAN_FILE):  # a link out of the root is refused below, not skipped
         return []
-    t = read_parquet(root, PLAN_FILE)  # a received cache's file: opened with the reader's care
+    return segments_of_plan(read_parquet(root, PLAN_FILE))  # a received cache's file: read with care
+
+
+def segments_of_plan(t: pa.Table | None) -> list[tuple[int, int]]:
+    """(unit, batch) of every segment in a plan.parquet table (none without one)."""
+    if t is None:
+        return []
     if not {"unit", "batch"} <= set(t.column_names):
         raise CacheCorruptError(f"{PLAN_FILE} has no unit and batch columns; copy the cache again or re-run extract")
     pairs = np.stack([t.column("unit").to_numpy(), t.column("batch").to_numpy()], axis=1)

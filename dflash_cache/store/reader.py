@@ -13,9 +13,9 @@ segments are guarded by a lock.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -26,24 +26,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 import zarr
-from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.files import inside, open_regular, write_parquet_atomic
+from dflash_cache.files import write_parquet_atomic
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
-from dflash_cache.store.manifest import Manifest, read_manifest
+from dflash_cache.store.location import LocalCache, open_location
+from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.segments import (
     ArrayLayout,
     SegmentRecord,
     array_problems,
     listing_problems,
-    read_records,
-    segment_dir,
-    segment_files,
     segment_layouts,
 )
 
@@ -132,25 +128,16 @@ def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
     return table
 
 
-def _load_parquet(root: Path, name: str, max_bytes: int) -> pa.Table:
-    """A Parquet file of the cache root, if inside the root, a regular file and at most
-    `max_bytes`; raises CacheCorruptError (outside), OSError, ValueError or ArrowException."""
-    path = root / name
-    inside(root, path)
-    with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
-            raise ValueError(f"{size} bytes, more than the {max_bytes} expected")
-        return pq.read_table(f)
-
-
 def read_parquet(root: Path, name: str, max_bytes: int = 1 << 30) -> pa.Table:
-    """A Parquet file of the cache root (plan.parquet, index.parquet), read with the care of
+    """A Parquet file of a local cache root (plan.parquet, index.parquet), read with the care of
     `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
     try:
-        return _load_parquet(root, name, max_bytes)
+        table = LocalCache(root).parquet(name, max_bytes)
     except (OSError, ValueError, pa.ArrowException) as e:
         raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
+    if table is None:
+        raise CacheCorruptError(f"{name} is missing; copy the cache again or re-run extract")
+    return table
 
 
 class _OpenArrays:
@@ -185,12 +172,15 @@ class CacheReader:
     always run. `open_arrays` bounds the opened zarr arrays kept."""
 
     def __init__(self, root: str | Path, *, check_segment_files: bool = True, open_arrays: int = OPEN_ARRAYS) -> None:
-        self.root = Path(root)
-        if not self.root.is_dir():
-            raise UserError(f"cache directory {self.root} does not exist; check the path")
-        self.manifest: Manifest = read_manifest(self.root)
+        self.location = open_location(root)
+        # The local directory (None for a cache on object storage, which is read-only here).
+        self.root: Path | None = self.location.root if isinstance(self.location, LocalCache) else None
+        if not self.location.exists():
+            kind = "cache directory" if self.root is not None else "cache"
+            raise UserError(f"{kind} {self.location} does not exist; check the path")
+        self.manifest: Manifest = self.location.manifest()
         self.codec: FeatureCodec = get_codec(self.manifest.codec)
-        self.records: list[SegmentRecord] = read_records(self.root)
+        self.records: list[SegmentRecord] = self.location.records()
         self._by_name = {r.name: r for r in self.records}
         self._check_segment_files = check_segment_files
         self._lock = threading.Lock()
@@ -217,6 +207,20 @@ class CacheReader:
     def bytes_on_disk(self) -> int:
         return sum(sum(r.files.values()) for r in self.records)
 
+    def file_problems(self, rec: SegmentRecord) -> list[str]:
+        """Problems with a segment's files (missing, resized, unlisted; locally also outside the
+        root or not regular files); [] if none."""
+        found, problems = self.location.segment_files(rec.name)
+        return problems + listing_problems(rec, found)
+
+    def read_parquet(self, name: str, max_bytes: int = 1 << 30) -> pa.Table | None:
+        """A Parquet file at the cache root (plan.parquet, index.parquet), None if absent;
+        CacheCorruptError naming the file and the fix if it cannot be read."""
+        try:
+            return self.location.parquet(name, max_bytes)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
+
     # --- index ---------------------------------------------------------------------------
     @cached_property
     def index(self) -> pa.Table:
@@ -236,16 +240,15 @@ class CacheReader:
     def index_problem(self) -> str | None:
         """Why index.parquet cannot be trusted, or None when it is absent, stale (written before
         later commits: extract rewrites it) or agrees exactly with the commit records."""
-        path = self.root / INDEX_FILE
-        if not os.path.lexists(path):
-            return None
         limit = INDEX_BYTES_PER_SAMPLE * self.num_samples + (1 << 20)
         try:
-            table = _load_parquet(self.root, INDEX_FILE, limit)
+            table = self.location.parquet(INDEX_FILE, limit)
         except CacheCorruptError as e:
             return str(e)
         except (OSError, ValueError, pa.ArrowException) as e:
             return f"{INDEX_FILE} is unreadable ({e})"
+        if table is None:
+            return None
         meta = table.schema.metadata or {}
         if meta.get(b"commits_digest", b"").decode() != records_digest(self.records):
             return None
@@ -281,11 +284,12 @@ class CacheReader:
         with self._lock:
             if rec.name in self._checked:
                 return
-        found, problems = segment_files(self.root, rec.name)
+        found, problems = self.location.segment_files(rec.name)
         if self._check_segment_files:
             problems += listing_problems(rec, found)
         if not problems:
-            problems = array_problems(self.root, rec, found, self.layouts(rec))
+            problems = array_problems(functools.partial(self.location.segment_meta, rec.name), found,
+                                      self.layouts(rec))
         if problems:
             raise CacheCorruptError(f"segment {rec.name} is damaged: {'; '.join(problems)}")
         with self._lock:
@@ -300,7 +304,7 @@ class CacheReader:
         layout = self.layouts(rec).get(key)
         if layout is None:
             raise UserError(f"segment {name} has no array {key!r}")
-        store = LocalStore(segment_dir(self.root, name), read_only=True)
+        store = self.location.zarr_store(name)
         try:
             arr = zarr.open_array(store, path=key, mode="r", zarr_format=3)
         except (ValueError, TypeError, KeyError, OSError) as e:  # metadata passed our check but not zarr's

@@ -18,10 +18,10 @@ import numpy as np
 
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE, bucket_table, planned_segments
+from dflash_cache.store.plan import PLAN_FILE, bucket_table, segments_of_plan
 from dflash_cache.store.reader import INDEX_FILE, CacheReader
 from dflash_cache.store.repair import uncommit
-from dflash_cache.store.segments import SegmentRecord, check_files, segment_name
+from dflash_cache.store.segments import SegmentRecord, segment_name
 
 BF16_BYTES = 2
 
@@ -29,19 +29,19 @@ BF16_BYTES = 2
 def missing_units(reader: CacheReader) -> list[int]:
     """Work units with at least one planned segment not committed."""
     committed = {r.name for r in reader.records}
-    return sorted({u for u, b in planned_segments(reader.root) if segment_name(u, b) not in committed})
+    planned = segments_of_plan(reader.read_parquet(PLAN_FILE))
+    return sorted({u for u, b in planned if segment_name(u, b) not in committed})
 
 
 def summarize(reader: CacheReader) -> dict[str, Any]:
     m = reader.manifest
     tokens = reader.num_tokens
-    meta = sum((reader.root / f).stat().st_size for f in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE)
-               if (reader.root / f).is_file())
+    meta = sum(reader.location.size(f) or 0 for f in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE))
     on_disk = reader.bytes_on_disk() + meta
     raw = tokens * m.feature_width * BF16_BYTES
     buckets = np.bincount([r.bucket for r in reader.records], minlength=len(m.plan.bucket_bounds))
     return {
-        "cache": str(reader.root),
+        "cache": str(reader.location),
         "target": m.target.name,
         "target_model_type": m.target.model_type,
         "target_config_hash": m.target.config_hash,
@@ -138,7 +138,7 @@ def _segment_problems(reader: CacheReader, rec: SegmentRecord, seen: dict[int, s
     """Everything wrong with one committed segment, each problem naming it."""
     m = reader.manifest
     try:
-        file_problems = check_files(reader.root, rec)
+        file_problems = reader.file_problems(rec)
         if file_problems:
             return [f"segment {rec.name}: {'; '.join(file_problems)}"]
         arrays = reader.read_segment(rec.name)
@@ -193,9 +193,10 @@ def incomplete(reader: CacheReader) -> str | None:
             f"committed (missing units: {shown or 'none'}); run the extract command that made it again to finish it")
 
 
-def repair_hint(root: Path) -> str:
+def repair_hint(root: Path | str) -> str:
     return (f"to repair: `dflash-cache inspect {root} --verify --repair` un-commits the damaged segments; "
-            "then run the extract command that made this cache again to redo exactly those")
+            "then run the extract command that made this cache again to redo exactly those"
+            + ("" if isinstance(root, Path) else " (on a local copy: repair needs a cache directory)"))
 
 
 def verification(reader: CacheReader, *, repair: bool = False) -> dict[str, Any]:
@@ -209,7 +210,7 @@ def verification(reader: CacheReader, *, repair: bool = False) -> dict[str, Any]
         if repair:
             out["repaired"] = uncommit(reader.root, found.damaged)
         else:
-            out["hint"] = repair_hint(reader.root)
+            out["hint"] = repair_hint(reader.root if reader.root is not None else str(reader.location))
     return out
 
 

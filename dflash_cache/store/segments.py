@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ MAX_SEGMENT_FILES = 1 << 16  # far above a real segment's (5-6 arrays, one shard
 CHUNK_SLACK = 4  # a received chunk may decode to this many times CHUNK_BYTES (or 16 rows), no more
 MAX_CHUNKS_PER_SHARD = 1 << 16  # bounds a shard's index (16 bytes per chunk)
 MAX_ARRAY_META_BYTES = 1 << 20  # an array's zarr.json (the writer's are ~1.5 KB)
+MAX_RECORD_BYTES = 16 << 20  # a commit record
 # Integer ranges of commit-record fields, by field name (default: [0, 2**63)).
 _RECORD_BOUNDS: dict[str, tuple[int, int]] = {
     "unit": (0, 999_999),
@@ -156,20 +158,27 @@ def read_records(root: Path) -> list[SegmentRecord]:
     commits = root / COMMITS_DIR
     if not commits.is_dir():
         return []
+
+    def load(name: str) -> Any:
+        return read_json(inside(root, commits / name), max_bytes=MAX_RECORD_BYTES)
+
+    return records_from([p.name for p in commits.iterdir()], load)
+
+
+def records_from(names: Iterable[str], load: Callable[[str], Any]) -> list[SegmentRecord]:
+    """The commit records among the file names of a commits directory, each parsed from
+    `load(name)` (JSON) and checked; sorted by name. Shared by local and remote caches."""
     records = []
-    for path in sorted(commits.iterdir()):
-        if path.name.endswith(TMP_SUFFIX) or not path.name.endswith(".json"):
+    for name in sorted(names):
+        if name.endswith(TMP_SUFFIX) or not name.endswith(".json") or not NAME_RE.match(name[:-len(".json")]):
             continue
-        if not NAME_RE.match(path.stem):
-            continue
-        inside(root, path)
         try:
-            obj = read_json(path, max_bytes=16 << 20)
+            obj = load(name)
         except (ValueError, OSError) as e:
-            raise CacheCorruptError(f"commit record {path.name} is unreadable ({e})") from None
-        rec = SegmentRecord.from_json(obj, where=path.name)
-        if rec.name != path.stem:
-            raise CacheCorruptError(f"commit record {path.name} names segment {rec.name}")
+            raise CacheCorruptError(f"commit record {name} is unreadable ({e})") from None
+        rec = SegmentRecord.from_json(obj, where=name)
+        if rec.name != name[:-len(".json")]:
+            raise CacheCorruptError(f"commit record {name} names segment {rec.name}")
         records.append(rec)
     return records
 
@@ -342,10 +351,10 @@ def _shard_problem(rel: str, size: int | None, layout: ArrayLayout, index_bytes:
     return None
 
 
-def array_problems(root: Path, record: SegmentRecord, found: Found, layouts: dict[str, ArrayLayout]) -> list[str]:
+def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[str, ArrayLayout]) -> list[str]:
     """Problems with a segment's arrays: metadata unlike the writer's, or a shard file that zarr
-    would silently read as zeros because it is absent or empty."""
-    seg = segment_dir(root, record.name)
+    would silently read as zeros because it is absent or empty. `read_meta(rel)` parses the
+    segment's JSON file `rel` (at most MAX_ARRAY_META_BYTES)."""
     problems = []
     for key, layout in layouts.items():
         meta_rel = f"{key}/zarr.json"
@@ -353,7 +362,7 @@ def array_problems(root: Path, record: SegmentRecord, found: Found, layouts: dic
             problems.append(f"{meta_rel} is missing")
             continue
         try:
-            chunk, shard = meta_grid(read_json(seg / meta_rel, max_bytes=MAX_ARRAY_META_BYTES), layout)
+            chunk, shard = meta_grid(read_meta(meta_rel), layout)
         except (ValueError, OSError) as e:
             problems.append(f"array {key}: {e}")
             continue

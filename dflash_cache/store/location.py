@@ -1,0 +1,185 @@
+"""Where a cache is read from: a local directory, or a prefix on object storage.
+
+`CacheReader` reads everything through one of these, so training and `inspect` read a cache in an
+S3 bucket (or anything else fsspec opens: `s3://`, `gs://`, `az://`, ...) the way they read one on
+disk, with the same checks of records, file lists and array metadata. Locally the files are
+opened with the store's care (nothing outside the root, regular files only); an object store has
+no links to follow, so a key under the prefix is all there is to check.
+
+Reading only: extraction, repair and the lock need a local directory for now. Credentials and
+endpoints come from the usual environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_ENDPOINT_URL for an S3-compatible server), as fsspec's filesystems read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from zarr.storage import LocalStore
+
+from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.files import inside, open_regular, read_json
+from dflash_cache.store.manifest import MANIFEST_FILE, Manifest, read_manifest
+from dflash_cache.store.segments import (
+    COMMITS_DIR,
+    MAX_ARRAY_META_BYTES,
+    MAX_RECORD_BYTES,
+    MAX_SEGMENT_FILES,
+    NAME_RE,
+    SEGMENTS_DIR,
+    Found,
+    SegmentRecord,
+    read_records,
+    records_from,
+    segment_dir,
+    segment_files,
+)
+
+
+def is_url(spec: str | Path) -> bool:
+    """A cache given as a URL (`scheme://...`) rather than a local path."""
+    return isinstance(spec, str) and "://" in spec
+
+
+def open_location(spec: str | Path) -> LocalCache | RemoteCache:
+    return RemoteCache(spec) if is_url(spec) else LocalCache(Path(spec))
+
+
+@dataclass
+class LocalCache:
+    """A cache directory on this machine."""
+
+    root: Path
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def manifest(self) -> Manifest:
+        return read_manifest(self.root)
+
+    def records(self) -> list[SegmentRecord]:
+        return read_records(self.root)
+
+    def size(self, name: str) -> int | None:
+        """Bytes of a file at the root, or None if there is none."""
+        path = self.root / name
+        return path.stat().st_size if path.is_file() else None
+
+    def parquet(self, name: str, max_bytes: int) -> pa.Table | None:
+        """A Parquet file at the root (None if absent): inside the root, a regular file, at most
+        `max_bytes`; raises CacheCorruptError (outside), OSError, ValueError or ArrowException."""
+        path = self.root / name
+        if not os.path.lexists(path):  # a link out of the root is refused below, not skipped
+            return None
+        inside(self.root, path)
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise ValueError(f"{size} bytes, more than the {max_bytes} expected")
+            return pq.read_table(f)
+
+    def segment_files(self, name: str) -> tuple[Found, list[str]]:
+        return segment_files(self.root, name)
+
+    def segment_meta(self, name: str, rel: str) -> Any:
+        return read_json(segment_dir(self.root, name) / rel, max_bytes=MAX_ARRAY_META_BYTES)
+
+    def zarr_store(self, name: str) -> LocalStore:
+        return LocalStore(segment_dir(self.root, name), read_only=True)
+
+
+class RemoteCache:
+    """A cache under a URL prefix, read through fsspec (and zarr's fsspec store for the arrays)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import fsspec
+
+            self.fs, self.path = fsspec.url_to_fs(url)
+        except ImportError as e:  # fsspec knows the scheme but its package (s3fs, gcsfs, ...) is missing
+            raise UserError(f"cache {url}: {e}; install the package for that storage (for S3: "
+                            "pip install 'dflash-cache[s3]')") from None
+        except ValueError as e:
+            raise UserError(f"cache {url}: {e}") from None
+        self.url = url.rstrip("/")
+        self.path = self.path.rstrip("/")
+
+    def __str__(self) -> str:
+        return self.url
+
+    def _key(self, rel: str) -> str:
+        return f"{self.path}/{rel}"
+
+    def _read(self, rel: str, max_bytes: int) -> bytes:
+        size = self.fs.size(self._key(rel))
+        if size is not None and size > max_bytes:
+            raise ValueError(f"{rel} is {size} bytes, more than the {max_bytes} it may hold")
+        return self.fs.cat_file(self._key(rel))
+
+    def _json(self, rel: str, max_bytes: int) -> Any:
+        try:
+            return json.loads(self._read(rel, max_bytes))
+        except RecursionError:
+            raise ValueError(f"{rel} is nested too deeply to be a valid record") from None
+
+    def exists(self) -> bool:
+        return self.fs.exists(self._key(MANIFEST_FILE)) or self.fs.isdir(self.path)
+
+    def manifest(self) -> Manifest:
+        if not self.fs.exists(self._key(MANIFEST_FILE)):
+            raise CacheCorruptError(f"{self.url} is not a dflash-cache (no {MANIFEST_FILE}); check the URL")
+        try:
+            obj = self._json(MANIFEST_FILE, 1 << 20)
+        except (ValueError, OSError) as e:
+            raise CacheCorruptError(f"{self.url}/{MANIFEST_FILE} is unreadable ({e})") from None
+        return Manifest.from_json(obj)
+
+    def records(self) -> list[SegmentRecord]:
+        try:
+            names = [k.rsplit("/", 1)[-1] for k in self.fs.ls(self._key(COMMITS_DIR), detail=False)]
+        except FileNotFoundError:
+            return []
+        return records_from(names, lambda name: self._json(f"{COMMITS_DIR}/{name}", MAX_RECORD_BYTES))
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self.fs.size(self._key(name))
+        except FileNotFoundError:
+            return None
+
+    def parquet(self, name: str, max_bytes: int) -> pa.Table | None:
+        if not self.fs.exists(self._key(name)):
+            return None
+        return pq.read_table(pa.BufferReader(self._read(name, max_bytes)))
+
+    def segment_files(self, name: str) -> tuple[Found, list[str]]:
+        """Every key under the segment's prefix with its size (an object store has no links)."""
+        if not NAME_RE.match(name):
+            raise CacheCorruptError(f"bad segment name {name!r}")
+        prefix = self._key(f"{SEGMENTS_DIR}/{name}")
+        try:
+            listing = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}, []
+        found: Found = {k[len(prefix) + 1:]: int(v["size"]) for k, v in listing.items() if v.get("type") != "directory"}
+        if len(found) > MAX_SEGMENT_FILES:
+            return found, [f"more than {MAX_SEGMENT_FILES} files"]
+        return found, []
+
+    def segment_meta(self, name: str, rel: str) -> Any:
+        return self._json(f"{SEGMENTS_DIR}/{name}/{rel}", MAX_ARRAY_META_BYTES)
+
+    def zarr_store(self, name: str):
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(f"{self.url}/{SEGMENTS_DIR}/{name}", read_only=True,
+                                    storage_options=getattr(self.fs, "storage_options", None) or None)

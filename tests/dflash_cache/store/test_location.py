@@ -1,0 +1,103 @@
+"""Caches read from object storage: a real S3-compatible server (moto's, started here; the bytes go
+over HTTP through s3fs) holding copies of a real cache. inspect's summary, samples, verify and a
+training run read it as they read the local directory; damage there is found and named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_cache.cli import cli
+from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import summarize, verify
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "caches"
+
+
+@pytest.fixture(scope="module")
+def s3(real_cache):
+    """An S3 server on a free local port with the fp8 demo cache under s3://caches/demo; yields
+    (filesystem, local copy). Credentials and the endpoint reach s3fs through the environment."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "test")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        local = real_cache("fp8")
+        fs.put(str(local) + "/", f"{BUCKET}/demo/", recursive=True)
+        yield fs, local
+    server.stop()
+
+
+def test_a_cache_on_s3_reads_as_the_local_one(s3):
+    fs, local = s3
+    remote, here = CacheReader(f"s3://{BUCKET}/demo"), CacheReader(local)
+    assert remote.root is None and str(remote.location) == f"s3://{BUCKET}/demo"
+    a, b = summarize(remote), summarize(here)
+    assert a.pop("cache") == f"s3://{BUCKET}/demo" and b.pop("cache") == str(local)
+    assert a == b
+    for sid in (0, 40, 100):
+        x, y = remote.sample(sid), here.sample(sid)
+        assert torch.equal(x.features, y.features) and (x.input_ids == y.input_ids).all()
+    assert remote.index_problem is None and verify(remote) == []
+
+
+def test_damage_on_s3_is_found_and_named(s3):
+    """A shard object changed (checksum), and one deleted (zarr would read zeros): both are named by
+    verify, and a read of the changed one fails naming its segment."""
+    fs, local = s3
+    fs.copy(f"{BUCKET}/demo", f"{BUCKET}/damaged", recursive=True)
+    reader = CacheReader(f"s3://{BUCKET}/damaged")
+    first, second = reader.records[0].name, reader.records[1].name
+    shard = f"{BUCKET}/damaged/segments/{first}/features/c/0/0"
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe(shard, bytes(data))
+    fs.rm(f"{BUCKET}/damaged/segments/{second}/scales/c/0/0")
+    reader = CacheReader(f"s3://{BUCKET}/damaged")
+    problems = verify(reader)
+    assert len(problems) == 2 and problems[0].startswith(f"segment {first}") and second in problems[1], problems
+    with pytest.raises(CacheCorruptError, match=first):
+        reader.read_segment(first)
+
+
+def test_inspect_and_train_from_s3(s3, tmp_path):
+    """The CLI takes the URL where it takes a directory: inspect --verify is clean, --repair is
+    refused (read-only), and training reads it to the same losses as from the local copy."""
+    from dflash_cache.train.trainer import Trainer
+    from tools.make_demo_drafter import demo_train_config
+
+    fs, local = s3
+    url = f"s3://{BUCKET}/demo"
+    r = CliRunner().invoke(cli, ["inspect", url, "--verify", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["verify"]["ok"], r.output
+    r = CliRunner().invoke(cli, ["inspect", url, "--verify", "--repair"])
+    assert r.exit_code == 2 and "read-only here" in r.output, r.output
+    losses = []
+    for source, out in ((url, tmp_path / "remote"), (str(local), tmp_path / "local")):
+        Trainer.build(demo_train_config(Path(source) if source == str(local) else source, out, max_steps=3,
+                                        log_every=1), device=torch.device("cpu")).fit()
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_a_missing_storage_package_or_cache_is_one_line(s3):
+    with pytest.raises(UserError, match="does not exist"):
+        CacheReader(f"s3://{BUCKET}/nothing-here")
+    with pytest.raises(UserError, match="install the package for that storage"):
+        CacheReader("gs://bucket/cache")
