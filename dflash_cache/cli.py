@@ -165,7 +165,8 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
 @click.option("--sample", "sample_id", type=int, default=None, help="Show one sample by id.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(cache: str, do_verify: bool, repair: bool, sample_id: int | None, as_json: bool) -> None:
-    """What is in a cache: summary, buckets, missing units, samples, verification."""
+    """What is in a cache (a directory or a URL such as s3://bucket/prefix): summary, buckets,
+    missing units, samples, verification."""
     import contextlib
 
     from dflash_cache.store.location import is_url

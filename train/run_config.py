@@ -51,7 +51,8 @@ class LiveConfig:
 class TrainConfig:
     """One training run; give exactly one of `cache` and `live`."""
 
-    cache: str | None = option(None, path="any", help="A cache made by `dflash-cache extract`.")
+    cache: str | None = option(None, path="any", help="A cache made by `dflash-cache extract`: its directory, or "
+                                                      "a URL such as s3://bucket/prefix.")
     target: str = option(help="The target (local directory or 'tiny'); with --cache, the one it was made with.")
     out: str = option(path="dir", help="Run directory: checkpoints, metrics, export.")
     trust_remote_code: bool = option(False, help="Allow the target directory's own Python code.")
