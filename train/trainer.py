@@ -222,7 +222,8 @@ class Trainer:
         with self.profiler.device_span("dflash.chunked_loss", stream):
             # Slot 0 (the given anchor token) has weight 0: its rows are left out of the LM head.
             a, b = blocks.num_anchors, cfg.block_size
-            scored = hidden.view(a, b, -1)[:, 1:].reshape(a * (b - 1), -1)
+            h = hidden.shape[-1]
+            scored = hidden.view(a, b, h)[:, 1:].reshape(a * (b - 1), h)  # explicit sizes: a may be 0
             weights = blocks.weights[:, 1:]
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 weights.reshape(-1), chunk_size=cfg.loss_chunk,
