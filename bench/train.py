@@ -54,7 +54,7 @@ from dflash_cache.train.assemble import source_config  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
-from dflash_cache.train.flops import step_flops  # noqa: E402
+from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
@@ -67,8 +67,11 @@ def shapes(small: bool) -> dict:
     return dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, seq=3072, layers=5)
 
 
-def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, vocab: int, device) -> None:
-    """A cache of random sequences (10% prompt, 90% supervised) with random bf16 features."""
+def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, vocab: int, device,
+                min_seq: int | None = None) -> None:
+    """A cache of random sequences (10% prompt, 90% supervised) with random bf16 features: every
+    sequence `seq` tokens long, or with `min_seq`, lengths drawn uniformly from [min_seq, seq]
+    (batches then differ in context length and anchor count, as real data's do)."""
     shutil.rmtree(root, ignore_errors=True)
     (root / SEGMENTS_DIR).mkdir(parents=True)
     (root / COMMITS_DIR).mkdir()
@@ -77,21 +80,34 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
     rng = np.random.default_rng(0)
     per_segment = max(1, 16384 // seq)
     n_seq = max(per_segment, tokens // seq)
+    lengths = np.full(n_seq, seq) if min_seq is None else rng.integers(min_seq, seq + 1, size=n_seq)
     segments = -(-n_seq // per_segment)
     for s in range(segments):
-        n = min(per_segment, n_seq - s * per_segment)
-        t = n * seq
-        feats = torch.randn(t, len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
+        rows = np.arange(s * per_segment, min(n_seq, (s + 1) * per_segment))
+        lens = lengths[rows]
+        feats = torch.randn(int(lens.sum()), len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
         encoded = {k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()}
-        mask = np.r_[np.zeros(seq // 10, np.uint8), np.ones(seq - seq // 10, np.uint8)]
-        rows = np.arange(s * per_segment, s * per_segment + n)
-        packed = HostBatch.pack([rng.integers(0, vocab, size=seq) for _ in range(n)], [mask] * n, rows)
-        planned = PlannedBatch(unit=0, batch=s, bucket=0, rows=rows, lengths=np.full(n, seq, np.int32))
+        masks = [np.r_[np.zeros(n // 10, np.uint8), np.ones(n - n // 10, np.uint8)] for n in lens]
+        packed = HostBatch.pack([rng.integers(0, vocab, size=n) for n in lens], masks, rows)
+        planned = PlannedBatch(unit=0, batch=s, bucket=0, rows=rows, lengths=lens.astype(np.int32))
         commit_segment(root, planned, packed, encoded, specs=specs, rank=0)
     commit_synthetic_manifest(root, codec=codec, layer_ids=LAYER_IDS, hidden=hidden, vocab=vocab, plan=PlanParams(
         unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
         overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,
-        num_tokens=n_seq * seq))
+        num_tokens=int(lengths.sum())))
+
+
+def mean_step_flops(cfg, batches: list, *, num_anchors: int, max_anchors: int | None) -> StepFlops:
+    """The model FLOPs of a step averaged over `batches`, with anchors drawn as the trainer draws them
+    (other draws: the same counts, slightly other positions)."""
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for batch in batches:
+        blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=num_anchors, max_anchors=max_anchors,
+                                mask_token_id=cfg.mask_token_id, generator=g)
+        parts.append(step_flops(cfg, context_tokens=batch.num_tokens, num_blocks=blocks.num_anchors,
+                                prefix_keys=blocks.prefix_keys))
+    return StepFlops(*(sum(getattr(f, k) for f in parts) / len(parts) for k in ("linears", "attention", "lm_head")))
 
 
 def drop_page_cache() -> bool:
@@ -128,6 +144,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
+    ap.add_argument("--min-seq", type=int, default=None,
+                    help="sequence lengths uniform in [MIN_SEQ, the bench length] instead of all equal: batches "
+                         "of varying shapes, as training sees (compiled kernels are then dynamic-shape ones)")
     ap.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss (train --no-compile)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="then trace N resident steps with torch.profiler: top kernels, host syncs, GPU busy share")
@@ -152,7 +171,8 @@ def main() -> None:
     for codec in codecs:
         root = out / f"cache-{codec}"
         t0 = time.perf_counter()
-        write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device)
+        write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device,
+                    min_seq=args.min_seq)
         print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
         cfg = TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw)
         sources[codec] = CacheSource(CacheReader(root), source_config(cfg), device=device)
@@ -169,13 +189,10 @@ def main() -> None:
     print(f"warm-up ({args.warmup} steps, compiles included): {time.perf_counter() - t0:.1f}s", flush=True)
     # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
     resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps)]
-    blocks = sample_anchors(resident[0], block_size=drafter_cfg.block_size, num_anchors=args.num_anchors,
-                            mask_token_id=drafter_cfg.mask_token_id, generator=torch.Generator().manual_seed(0))
-    flops = step_flops(drafter_cfg, context_tokens=resident[0].num_tokens, num_blocks=blocks.num_anchors,
-                       prefix_keys=blocks.prefix_keys)
-    print(f"model FLOPs of the first batch's step: {flops.total / 1e12:.1f} T (linears {flops.linears / 1e12:.1f}, "
-          f"attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}); peak "
-          f"{(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}", flush=True)
+    flops = mean_step_flops(drafter_cfg, resident, num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
+    print(f"model FLOPs per step, mean of the timed batches: {flops.total / 1e12:.1f} T (linears "
+          f"{flops.linears / 1e12:.1f}, attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}); "
+          f"peak {(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}", flush=True)
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
