@@ -144,11 +144,29 @@ class RemoteCache:
         return Manifest.from_json(obj)
 
     def records(self) -> list[SegmentRecord]:
+        """One listing, then every record fetched by concurrent requests: a cache of tens of
+        thousands of segments would otherwise take a round trip per record to open."""
         try:
-            names = [k.rsplit("/", 1)[-1] for k in self.fs.ls(self._key(COMMITS_DIR), detail=False)]
+            listing = self.fs.ls(self._key(COMMITS_DIR), detail=True)
         except FileNotFoundError:
             return []
-        return records_from(names, lambda name: self._json(f"{COMMITS_DIR}/{name}", MAX_RECORD_BYTES))
+        sizes = {entry["name"].rsplit("/", 1)[-1]: entry.get("size") for entry in listing}
+        wanted = [self._key(f"{COMMITS_DIR}/{n}") for n, size in sizes.items()
+                  if n.endswith(".json") and (size or 0) <= MAX_RECORD_BYTES]
+        fetched = {k.rsplit("/", 1)[-1]: v for k, v in self.fs.cat(wanted, on_error="return").items()} if wanted else {}
+
+        def load(name: str) -> Any:
+            if (sizes[name] or 0) > MAX_RECORD_BYTES:
+                raise ValueError(f"{sizes[name]} bytes, more than the {MAX_RECORD_BYTES} a record may hold")
+            data = fetched[name]
+            if isinstance(data, Exception):
+                raise OSError(str(data))
+            try:
+                return json.loads(data)
+            except RecursionError:
+                raise ValueError("nested too deeply to be a valid record") from None
+
+        return records_from(sizes, load)
 
     def size(self, name: str) -> int | None:
         try:

@@ -9,7 +9,6 @@ the dataset nor the planner to know what a cache should hold.
 from __future__ import annotations
 
 import heapq
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,13 +179,6 @@ def read_plan(root: Path, manifest: Manifest) -> Plan:
     config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,
                         bucket_bounds=tuple(p.bucket_bounds))
     return plan_from_columns(config, p.num_rows, *(t.column(c).to_numpy() for c in PLAN_COLUMNS))
-
-
-def planned_segments(root: Path) -> list[tuple[int, int]]:
-    """(unit, batch) of every planned segment, from plan.parquet."""
-    if not os.path.lexists(root / PLAN_FILE):  # a link out of the root is refused below, not skipped
-        return []
-    return segments_of_plan(read_parquet(root, PLAN_FILE))  # a received cache's file: read with care
 
 
 def segments_of_plan(t: pa.Table | None) -> list[tuple[int, int]]:

@@ -33,7 +33,7 @@ from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import write_parquet_atomic
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
-from dflash_cache.store.location import LocalCache, open_location
+from dflash_cache.store.location import LocalCache, RemoteCache, open_location
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.segments import (
     ArrayLayout,
@@ -131,13 +131,18 @@ def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
 def read_parquet(root: Path, name: str, max_bytes: int = 1 << 30) -> pa.Table:
     """A Parquet file of a local cache root (plan.parquet, index.parquet), read with the care of
     `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
-    try:
-        table = LocalCache(root).parquet(name, max_bytes)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
+    table = parquet_or_corrupt(LocalCache(root), name, max_bytes)
     if table is None:
         raise CacheCorruptError(f"{name} is missing; copy the cache again or re-run extract")
     return table
+
+
+def parquet_or_corrupt(location: LocalCache | RemoteCache, name: str, max_bytes: int) -> pa.Table | None:
+    """`location.parquet`, with a file that cannot be read as CacheCorruptError naming it and the fix."""
+    try:
+        return location.parquet(name, max_bytes)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
 
 
 class _OpenArrays:
@@ -216,10 +221,7 @@ class CacheReader:
     def read_parquet(self, name: str, max_bytes: int = 1 << 30) -> pa.Table | None:
         """A Parquet file at the cache root (plan.parquet, index.parquet), None if absent;
         CacheCorruptError naming the file and the fix if it cannot be read."""
-        try:
-            return self.location.parquet(name, max_bytes)
-        except (OSError, ValueError, pa.ArrowException) as e:
-            raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
+        return parquet_or_corrupt(self.location, name, max_bytes)
 
     # --- index ---------------------------------------------------------------------------
     @cached_property

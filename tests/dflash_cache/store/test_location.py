@@ -101,3 +101,13 @@ def test_a_missing_storage_package_or_cache_is_one_line(s3):
         CacheReader(f"s3://{BUCKET}/nothing-here")
     with pytest.raises(UserError, match="install the package for that storage"):
         CacheReader("gs://bucket/cache")
+
+
+def test_an_unreadable_commit_record_on_s3_is_named(s3):
+    """Records are fetched together; one that is not JSON still stops the reader naming it."""
+    fs, _ = s3
+    fs.copy(f"{BUCKET}/demo", f"{BUCKET}/bad-record", recursive=True)
+    victim = sorted(fs.ls(f"{BUCKET}/bad-record/commits"))[1]
+    fs.pipe(victim, b"{not json")
+    with pytest.raises(CacheCorruptError, match=f"commit record {victim.rsplit('/', 1)[-1]} is unreadable"):
+        CacheReader(f"s3://{BUCKET}/bad-record")
