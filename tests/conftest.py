@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,3 +43,14 @@ def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
                 progress=False)
     base.update(overrides)
     return ExtractConfig(**base)
+
+
+def wait_for_commits(proc: subprocess.Popen, out: Path, count: int, timeout: float = 120) -> None:
+    """Wait until the extraction `proc` writing `out` has committed `count` segments, and insist
+    that it is still running then (a test that stops it mid-way needs it to be)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "commits").is_dir() and len(list((out / "commits").glob("*.json"))) >= count:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "extraction finished before it could be stopped; make the job bigger"

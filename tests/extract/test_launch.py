@@ -33,7 +33,7 @@ from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from dflash_cache.store.segments import read_records, segment_name
-from tests.conftest import extract_config
+from tests.conftest import extract_config, wait_for_commits
 
 REPO = Path(__file__).resolve().parents[2]
 TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
@@ -239,12 +239,7 @@ def test_ctrl_c_stops_every_rank_and_a_rerun_resumes(small_parquet, tmp_path):
             "--max-rows", "8", "--unit-rows", "16", "--buckets", "0,32,64", "--no-progress", "--writers", "1"]
     proc = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE, *args, "--gpus", "all"], cwd=REPO,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "commits").is_dir() and len(list((out / "commits").glob("*.json"))) >= 2:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "extraction finished before it could be interrupted; make it slower"
+    wait_for_commits(proc, out, 2)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: signal the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and err.rstrip().endswith("Aborted!"), err

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from dflash_cache.store.segments import read_records, segment_name
-from tests.conftest import extract_config, random_rows
+from tests.conftest import extract_config, random_rows, wait_for_commits
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--model", "tiny", "--gpus", "cpu", "--token-budget", "1024", "--max-rows", "8", "--unit-rows", "16",
@@ -86,12 +85,7 @@ def test_sigkill_then_resume_gives_exact_sample_set(tmp_path):
     args = [sys.executable, "-m", "dflash_cache.cli", "extract", "--data", str(data), "--out", str(out),
             *SMALL, "--token-budget", "128", "--writers", "1"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "commits").is_dir() and len(list((out / "commits").glob("*.json"))) >= 5:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "extraction finished before it could be killed; make the job bigger"
+    wait_for_commits(proc, out, 5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     partial = sample_ids(out)
