@@ -156,6 +156,17 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_layer_dynamic(layer: DFlashLayer, x, context, rope, mask, flex_fn) -> torch.Tensor:
+    return layer(x, context, rope, mask, flex_fn)
+
+
+def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn) -> torch.Tensor:
+    """The same call as `_run_layer_dynamic`, a separate function on purpose: torch.compile keeps
+    its graphs per code object, so the static-shape graph and the dynamic one never serve each
+    other's calls."""
+    return layer(x, context, rope, mask, flex_fn)
+
+
 class DFlashDrafter(nn.Module):
     """fc + hidden_norm fuse the target features into the context; `layers` denoise the blocks.
 
@@ -173,35 +184,38 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.flex_attention_fn = default_flex_attention
+        self._layer_runners: tuple | None = None  # (dynamic, static) compiled, once compile_layers ran
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
     def compile_layers(self) -> None:
-        """Compile every layer in place (torch.compile, dynamic shapes: a batch's context and block
-        counts vary). Norms, RoPE, the MLP's gate and the residual adds fuse into a few kernels in
-        forward and backward, and FlexAttention is traced inside the layer; weights and state-dict keys
-        are unchanged. The first step of each new kind of shape compiles (about a minute)."""
-        for layer in self.layers:
-            layer.compile(dynamic=True)
+        """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
+        into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
+        Two graphs: one for the run's static shape (`forward(static=True)`, see
+        `dflash_cache.train.static_shapes`) and one for any other shape. Weights and state-dict keys
+        are unchanged. Each graph compiles on its first step (about a minute, less when cached)."""
+        self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True),
+                               torch.compile(_run_layer_static, dynamic=False))
         self.flex_attention_fn = flex_attention
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
-                block_positions: torch.Tensor, masks: dict) -> torch.Tensor:
+                block_positions: torch.Tensor, masks: dict, static: bool = False) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
         masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
-        final norm."""
+        final norm. `static`: the shapes are the run's static shape (compiled layers only)."""
         dtype = self.dtype
         context = self.hidden_norm(self.fc(features.to(dtype)))
         x = block_embeds.to(dtype)
         rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
+        run = self._layer_runners[static] if self._layer_runners is not None else _run_layer_dynamic
         for layer in self.layers:
             try:
                 mask = masks[layer.layer_type]
             except KeyError:
                 raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
-            x = layer(x, context, rope, mask, self.flex_attention_fn)
+            x = run(layer, x, context, rope, mask, self.flex_attention_fn)
         return self.norm(x)
 
 

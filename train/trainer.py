@@ -49,6 +49,7 @@ from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
 from dflash_cache.train.optim import adamw, warmup_cosine
 from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.static_shapes import Context, StaticShape
 
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
@@ -102,6 +103,10 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000003 + rank)
         self.backend = "flex" if device.type == "cuda" else "dense"
         self.compiled = cfg.compile and device.type == "cuda"
+        # The shape compiled layers run static-shape kernels for (None: every step is dynamic).
+        self.static_shape = StaticShape.for_run(largest_batch=max(cfg.token_budget, source.longest_sample())) \
+            if self.compiled else None
+        self.static_steps = 0  # steps of this process that ran the static-shape graph
         if self.compiled:
             self.model.compile_layers()
         self.profiler.peak_flops = device_peak_flops(device)
@@ -209,16 +214,22 @@ class Trainer:
         # Device stages are timed on the device: the host runs ahead of the GPU, so host time would
         # land on whichever stage happens to wait for a free launch slot.
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
+        self.static_steps += static
         with self.profiler.device_span("dflash.create_block_mask", stream):
             ctx_doc, ctx_pos = context_doc_pos(batch)
-            masks = build_masks(ctx_doc, ctx_pos, blocks, layer_types=dcfg.layer_types,
+            context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
+            if static:
+                context = context.padded_to(self.static_shape.context_rows)
+            masks = build_masks(context.docs, context.positions, blocks, layer_types=dcfg.layer_types,
                                 sliding_window=dcfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with self.profiler.device_span("drafter.forward", stream), autocast:
-            features = batch.features if self.device.type == "cuda" else batch.features.float()
+            features = context.features if self.device.type == "cuda" else context.features.float()
             embeds = self.head.embed(blocks.input_ids.reshape(-1))
-            hidden = self.net(features, batch.position_ids, embeds, blocks.position_ids.reshape(-1), masks)
+            hidden = self.net(features, context.positions, embeds, blocks.position_ids.reshape(-1), masks,
+                              static=static)
         with self.profiler.device_span("dflash.chunked_loss", stream):
             # Slot 0 (the given anchor token) has weight 0: its rows are left out of the LM head.
             a, b = blocks.num_anchors, cfg.block_size
@@ -315,6 +326,10 @@ class Trainer:
         if window:
             last, _ = self._log(window, tok_window, metrics_path, False)
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
+        if self.static_shape is not None:
+            log.info("%d of this run's steps ran the static-shape graph (%d anchors, context padded to %d); "
+                     "the others the dynamic one", self.static_steps, self.static_shape.anchors,
+                     self.static_shape.context_rows)
         self.save()
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")

@@ -105,10 +105,12 @@ def _drafter_case(dev: torch.device, lengths: list[int], seed: int):
 
 
 @needs_cuda
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_compiled_layers_match_eager(autocast):
+def test_compiled_layers_match_eager(autocast, static):
     """compile_layers() changes kernels, not the computation: outputs and every gradient match the
-    eager drafter's, in float32 and under the trainer's bf16 autocast."""
+    eager drafter's, in float32 and under the trainer's bf16 autocast, through the dynamic-shape
+    graph and the static-shape one."""
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     cfg, args = _drafter_case(dev, [300, 41, 520, 97], seed=3)
@@ -118,7 +120,7 @@ def test_compiled_layers_match_eager(autocast):
         if compiled:
             drafter.compile_layers()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = drafter(*args)
+            out = drafter(*args, static=static and compiled)
         out.float().square().mean().backward()
         outs.append(out.detach().float())
         grads.append(torch.cat([p.grad.flatten() for p in drafter.parameters()]))
@@ -151,11 +153,15 @@ def test_compiled_layers_compile_once_for_changing_shapes():
 def test_compiled_training_follows_eager_training(demo_cache, tmp_path):
     """The trainer's default (compiled layers and loss) and --no-compile take the same steps: the
     per-step losses of 12 steps agree to bf16 precision."""
-    losses = []
+    losses, static_steps = [], []
     for compiled in (True, False):
         out = tmp_path / f"run-{compiled}"
-        cfg = demo_train_config(demo_cache, out, max_steps=12, log_every=1, compile=compiled)
-        Trainer.build(cfg, device=torch.device("cuda")).fit()
+        # An anchor cap the demo batches reach, so most steps take the static-shape graph.
+        cfg = demo_train_config(demo_cache, out, max_steps=12, log_every=1, compile=compiled, max_anchors=16)
+        trainer = Trainer.build(cfg, device=torch.device("cuda"))
+        trainer.fit()
+        static_steps.append(trainer.static_steps)
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
     assert len(losses[0]) == 12
+    assert static_steps[1] == 0 and static_steps[0] >= 6, static_steps
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=2e-2, atol=0.0)
