@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -151,16 +152,26 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=256, help="synthetic tokens")
+def add_feature_args(ap: argparse.ArgumentParser, tokens: int) -> None:
+    """--tokens, --hidden, --rows, --json: the feature sets of `feature_sets` (shared by the fp4 studies)."""
+    ap.add_argument("--tokens", type=int, default=tokens, help="synthetic tokens")
     ap.add_argument("--hidden", type=int, default=4096, help="synthetic hidden size per layer")
     ap.add_argument("--rows", type=int, default=16, help="demo rows through the tiny target")
     ap.add_argument("--json", default=None, help="write the rows here")
+
+
+def feature_sets(args: argparse.Namespace) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """(label, make features) for the synthetic and the tiny-target features, made when called."""
+    return [(f"synthetic 5x{args.hidden}", lambda: synthetic_features(args.tokens, args.hidden)),
+            ("tiny target 5x128", lambda: tiny_features(args.rows))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_feature_args(ap, tokens=256)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    rows = study(f"synthetic 5x{args.hidden}", synthetic_features(args.tokens, args.hidden))
-    rows += study("tiny target 5x128", tiny_features(args.rows))
+    rows = [row for label, make in feature_sets(args) for row in study(label, make())]
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -16,6 +16,8 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
 * with ``outliers = k > 0``: ``outlier_idx`` int16 ``[T, L*k]`` (channel within its layer) and
   ``outlier_val`` bf16 bits ``[T, L*k]``. Indices are per token; massive-activation channels are
   fixed, so the rows repeat and zstd shrinks them (~2.7x measured on synthetic 5 x 4096).
+* with ``sign_xor``, ``codes`` hold each layer's sign bit XOR the previous layer's at the same
+  channel (`xor_layer_signs`; lossless, the dequantised values are the same bits).
 
 Quantisation: outlier positions are zeroed in the body; ``s = amax(group) / 6`` rounded to the
 scale format (nearest); ``code = rne_e2m1(clamp(x / s, -6, 6))``. Dequantisation:
@@ -31,8 +33,15 @@ a scale rounded down clips at most 6/(1 - 1/16) to 6 (<= 1/16 relative); bf16 ou
 The row term covers e4m3 scales that underflow to subnormals (tiny groups in a loud row).
 
 Measured (bench/codec_study_fp4.py, bench/results/2026-11-30-cpu-fp4-study.json): e4m3 scales cost
-half of bf16's bytes (the codes don't compress, the scales barely) for ~0.3 points more relative
-error, hence the default; float16 would cost as much as bf16 and underflow quiet groups below 6e-5.
+half of bf16's bytes for ~0.3 points more relative error, hence the default; float16 would cost as
+much as bf16 and underflow quiet groups below 6e-5.
+
+What zstd makes of the codes (bench/fp4_size.py, bench/results/2026-12-01-cpu-fp4-size.json): no
+more than their order-0 entropy, ~3.85-3.95 bits a code. On homogeneous channels (a random-weight
+Qwen3) that would save 1.3%, under the 1/64 zstd's faster levels need to store a block compressed,
+so the codes stay 10,240 bytes/token at 5 x 4096 and the layout ~10,620; no Blosc setting fast
+enough to use saves more than 0.4%. Storing signs relative to the previous layer (``sign_xor``)
+brings it to ~10,100.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ __all__ = [
     "pack_nibbles",
     "quantize_fp4",
     "unpack_nibbles",
+    "unxor_layer_signs",
+    "xor_layer_signs",
 ]
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -71,11 +82,13 @@ FP4_ROW_ERROR_BOUND: float = 2.0**-8 / E4M3_MAX
 
 @dataclass(frozen=True, slots=True)
 class Fp4Config:
-    """How to quantise: elements per scale, the scale's format, bf16 outlier channels per layer."""
+    """How to quantise: elements per scale, the scale's format, bf16 outlier channels per layer, and
+    whether each layer's code signs are stored XOR the previous layer's (`xor_layer_signs`)."""
 
     group_size: int = 16
     scale_format: str = "e4m3"
     outliers: int = 0
+    sign_xor: bool = False
 
     def check(self, hidden_size: int) -> None:
         """Refuse shapes the layout cannot represent (raise ValueError)."""
@@ -89,22 +102,32 @@ class Fp4Config:
         k = self.outliers
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hidden_size or hidden_size > 32767:
             raise ValueError(f"fp4: outliers must be in [0, {hidden_size}] (hidden size <= 32767), got {k!r}")
+        if not isinstance(self.sign_xor, bool):
+            raise ValueError(f"fp4: sign_xor must be a bool, got {self.sign_xor!r}")
+
+    @property
+    def codes_key(self) -> str:
+        """The codes' array name: sign-XOR codes have their own, so a reader of one layout never
+        decodes the other's codes (a cache records only the codec's name)."""
+        return "sign_xor_codes" if self.sign_xor else "codes"
 
 
 # What `--codec fp4` stores: the study's best size/error trade-off on features with massive
-# activations (README, "4-bit study"). A cache records only the codec's name, so this layout is
-# fixed for the name "fp4"; another layout needs another name.
-FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8)
+# activations (README, "4-bit study"), with sign-XOR codes (lossless, 5% smaller on a random-weight
+# Qwen3's features: bench/fp4_size.py). A cache records only the codec's name, so this layout is
+# fixed for the name "fp4"; another layout needs another name, or other array names.
+FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8, sign_xor=True)
 
 
 def fp4_arrays(cfg: Fp4Config, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:
     """The per-token arrays the codec stores, as `FeatureCodec.arrays` declares them."""
     cfg.check(hidden_size)
     width = n_layers * hidden_size
-    # Shuffle choices measured (bench/codec_study_fp4.py): codes and e4m3 scales are single bytes of
-    # near-uniform 4-bit fields, so bit-shuffle only hurts (codes stay ~incompressible either way);
-    # outlier indices repeat token to token and compress best unshuffled; bf16 values byte-shuffled.
-    specs = {"codes": ArraySpec(np.dtype(np.uint8), width // 2, tuple(zstd_chain(1, shuffle="noshuffle")))}
+    # Shuffle choices measured (bench/codec_study_fp4.py, bench/fp4_size.py): codes and e4m3 scales
+    # are single bytes of near-uniform 4-bit fields, so bit-shuffle only hurts (zstd's literal coder
+    # takes the codes to their byte entropy or leaves them raw); outlier indices repeat token to
+    # token and compress best unshuffled; bf16 values byte-shuffled.
+    specs = {cfg.codes_key: ArraySpec(np.dtype(np.uint8), width // 2, tuple(zstd_chain(1, shuffle="noshuffle")))}
     n_groups = width // cfg.group_size
     if cfg.scale_format == "e4m3":
         specs["scales"] = ArraySpec(np.dtype(np.uint8), n_groups, tuple(zstd_chain(1, shuffle="noshuffle")))
@@ -148,6 +171,22 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_nibbles`."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def xor_layer_signs(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes [T, L, H] -> each layer's sign bit XOR the previous layer's at the same channel
+    (layer 0 as is). Lossless; why: a residual stream keeps a channel's sign from one captured
+    layer to the next (64-84% of channels on the tiny target and on a random-weight Qwen3), so the
+    stored sign is mostly 0 and zstd codes the nibbles 5-6% smaller (bench/fp4_size.py)."""
+    out = codes.clone()
+    out[:, 1:] ^= codes[:, :-1] & 8
+    return out
+
+
+def unxor_layer_signs(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of `xor_layer_signs`: a prefix XOR of the sign bits over layers."""
+    signs = ((codes >> 3).cumsum(dim=1) & 1).to(codes.dtype)
+    return (codes & 7) | (signs << 3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,17 +246,22 @@ def quantize_fp4(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> dict[str, to
     safe = torch.where(s > 0, s, torch.ones_like(s))
     y = (groups / safe).clamp(-E2M1_MAX, E2M1_MAX)
     y = torch.where(s > 0, y, torch.zeros_like(y))
-    out["codes"] = pack_nibbles(_e2m1_codes(y).reshape(t, n_layers * h))
+    codes = _e2m1_codes(y).reshape(t, n_layers, h)
+    if cfg.sign_xor:
+        codes = xor_layer_signs(codes)
+    out[cfg.codes_key] = pack_nibbles(codes.reshape(t, n_layers * h))
     out.update({k: v.reshape(t, -1).contiguous() for k, v in sc.items()})
     return out
 
 
 def dequantize_fp4(arrays: dict[str, torch.Tensor], n_layers: int, cfg: Fp4Config) -> torch.Tensor:
     """The arrays of `quantize_fp4` (any device; unsigned or signed bit views) -> bf16 [T, L*H]."""
-    codes = unpack_nibbles(arrays["codes"].view(torch.uint8))
+    codes = unpack_nibbles(arrays[cfg.codes_key].view(torch.uint8))
     t, width = codes.shape
     h = width // n_layers
     cfg.check(h)
+    if cfg.sign_xor:
+        codes = unxor_layer_signs(codes.reshape(t, n_layers, h)).reshape(t, width)
     s = _decoded_scales(arrays, t, n_layers, cfg)
     vals = _grid(codes.device)[codes.long()].reshape(t, n_layers, -1, cfg.group_size)
     x = (vals * s.unsqueeze(-1)).to(torch.bfloat16).reshape(t, n_layers, h)

@@ -2,24 +2,43 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from zarr.storage import LocalStore
 
 from dflash_cache.store import fp4
-from dflash_cache.store.codecs import to_stored_numpy
-from dflash_cache.store.fp4 import Fp4Config
+from dflash_cache.store.codecs import ArraySpec, to_stored_numpy
+from dflash_cache.store.fp4 import FP4_LAYOUT, Fp4Config
+from dflash_cache.store.segments import write_array
 
 CONFIGS = [
     Fp4Config(16, "e4m3"),
     Fp4Config(32, "bf16"),
     Fp4Config(16, "e4m3", outliers=4),
     Fp4Config(64, "bf16", outliers=2),
+    Fp4Config(32, "e4m3", outliers=8, sign_xor=True),
 ]
 
 
 def _roundtrip(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> torch.Tensor:
     return fp4.dequantize_fp4(fp4.quantize_fp4(x, n_layers, cfg), n_layers, cfg)
+
+
+def _residual(t: int, n_layers: int, h: int, seed: int = 0) -> torch.Tensor:
+    """A residual stream: each layer adds N(0, 0.6**2) to the last, so a channel's sign mostly
+    carries over (88-96% here) while every channel looks alike, like a random-weight Qwen3's."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, 1, h, generator=g) + 0.6 * torch.randn(t, n_layers, h, generator=g)).cumsum(dim=1)
+    return x.reshape(t, n_layers * h).to(torch.bfloat16)
+
+
+def _stored_bytes(tmp_path: Path, name: str, a: np.ndarray, spec: ArraySpec) -> int:
+    """Bytes of `a`'s shard files as the segment writer stores it (Blosc, CRC32C, shard index)."""
+    write_array(LocalStore(tmp_path), name, a, spec.compressors)
+    return sum(p.stat().st_size for p in (tmp_path / name / "c").rglob("*") if p.is_file())
 
 
 def _heavy(t: int, n_layers: int, h: int, seed: int = 0) -> torch.Tensor:
@@ -123,8 +142,47 @@ def test_all_zero_row(cfg: Fp4Config) -> None:
     assert not x_hat[0].any() and not x_hat[1, 128:].any()
 
 
+@pytest.mark.parametrize("make", [_heavy, _residual])
+def test_sign_xor_is_lossless(make) -> None:
+    """Signs stored relative to the previous layer decode to the very bits of the plain layout;
+    only the sign bits of layers 1.. differ in the stored codes."""
+    n_layers, h = 4, 256
+    x = make(16, n_layers, h)
+    plain, chained = Fp4Config(32, "e4m3", outliers=8), FP4_LAYOUT
+    assert chained.sign_xor and chained.codes_key != plain.codes_key  # one layout's reader cannot take the other's
+    enc, enc_x = fp4.quantize_fp4(x, n_layers, plain), fp4.quantize_fp4(x, n_layers, chained)
+    assert torch.equal(fp4.dequantize_fp4(enc_x, n_layers, chained).view(torch.int16),
+                       fp4.dequantize_fp4(enc, n_layers, plain).view(torch.int16))
+    codes, codes_x = enc.pop(plain.codes_key), enc_x.pop(chained.codes_key)
+    diff = (fp4.unpack_nibbles(codes) ^ fp4.unpack_nibbles(codes_x)).reshape(16, n_layers, h)
+    assert not diff[:, 0].any() and not (diff & 7).any() and diff.any()
+    assert enc.keys() == enc_x.keys() and all(torch.equal(enc[k], enc_x[k]) for k in enc)
+
+
+def test_xor_layer_signs_inverts() -> None:
+    codes = torch.randint(0, 16, (3, 5, 7), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fp4.unxor_layer_signs(fp4.xor_layer_signs(codes)), codes)
+    assert fp4.xor_layer_signs(torch.tensor([[[8], [8], [0], [9]]], dtype=torch.uint8)).flatten().tolist() == [8, 0, 8, 9]
+
+
+def test_sign_xor_codes_compress(tmp_path: Path) -> None:
+    """On a residual stream zstd leaves the plain codes ~raw (their order-0 gain is below its 1/64
+    threshold) but takes >= 5% off the codes with signs relative to the previous layer."""
+    t, n_layers, h = 256, 5, 1024
+    x = _residual(t, n_layers, h)
+    raw = t * n_layers * h // 2
+    sizes = []
+    for i, cfg in enumerate((Fp4Config(32, "e4m3", outliers=8), FP4_LAYOUT)):
+        key = cfg.codes_key
+        codes = to_stored_numpy(fp4.quantize_fp4(x, n_layers, cfg))[key]
+        sizes.append(_stored_bytes(tmp_path / str(i), key, codes, fp4.fp4_arrays(cfg, n_layers, h)[key]))
+    assert sizes[0] >= 0.98 * raw and sizes[1] <= 0.95 * raw, (sizes, raw)
+
+
 @pytest.mark.parametrize(
-    "cfg", [Fp4Config(12, "e4m3"), Fp4Config(15, "e4m3"), Fp4Config(16, "fp8"), Fp4Config(16, "e4m3", -1)]
+    "cfg",
+    [Fp4Config(12, "e4m3"), Fp4Config(15, "e4m3"), Fp4Config(16, "fp8"), Fp4Config(16, "e4m3", -1),
+     Fp4Config(16, "e4m3", 0, 1)],
 )
 def test_rejects_bad_config(cfg: Fp4Config) -> None:
     with pytest.raises(ValueError):
