@@ -1,8 +1,12 @@
 """Phase-1 benchmark: extraction throughput against the bare backbone forward, side by side.
 
-Builds a Qwen3-8B-shaped target with random bf16 weights (36 layers, hidden 4096, intermediate
-12288, 32/8 heads) on one GPU, synthetic token rows whose lengths follow a bucket mix, and plans
-them with the extraction planner. Then, in one process and over the same batches, it times:
+Builds a target with random bf16 weights on one GPU: Qwen3-8B-shaped by default (36 layers,
+hidden 4096, intermediate 12288, 32/8 heads), or with `--target qwen3.5-27b` a Qwen3.5-27B-shaped
+hybrid (64 layers, three Gated DeltaNet linear-attention layers to each full-attention one, hidden
+5120, intermediate 17408, 24/4 heads of 256, 16/48 linear heads of 128; run it with
+flash-linear-attention installed, or its layers fall back to plain torch). Synthetic token rows
+whose lengths follow a bucket mix are planned with the extraction planner. Then, in one process
+and over the same batches, it times:
 
   * the bare backbone forward (no hooks, no copies, no writes) of the full 36-layer stack and of
     the stack cut after the last captured layer (what extraction runs);
@@ -11,13 +15,14 @@ them with the extraction planner. Then, in one process and over the same batches
   * the cut forward again at the end, to show drift.
 
 Reports tok/s, extract / cut-forward ratio, and bytes/token on disk. Run on a GPU machine:
-    python bench/extract.py [--tokens 400000] [--codecs none,bf16,fp8] [--out /tmp/bench-cache]
+    python bench/extract.py [--target qwen3-8b|qwen3.5-27b] [--tokens 400000] [--codecs none,bf16,fp8]
 `--small` shrinks the model so the script itself can be checked on a CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -35,7 +40,13 @@ from dflash_cache.extract.capture import run_backbone  # noqa: E402
 from dflash_cache.extract.dataset import from_table  # noqa: E402
 from dflash_cache.extract.pipeline import RankExtractor, layout_batch  # noqa: E402
 from dflash_cache.extract.planning import make_plan  # noqa: E402
-from dflash_cache.extract.target import decoder_of, select_layers  # noqa: E402
+from dflash_cache.extract.target import (  # noqa: E402
+    HYBRID_KERNELS,
+    decoder_of,
+    has_linear_attention,
+    select_layers,
+    warn_if_slow_hybrid,
+)
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
 from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
@@ -56,9 +67,30 @@ def qwen3_8b_config(small: bool):
                        rope_theta=1_000_000, tie_word_embeddings=False)
 
 
+def qwen3_5_27b_config(small: bool):
+    """The text model of Qwen3.5-27B (its published text_config's sizes); the vision tower is never
+    part of extraction."""
+    from transformers import Qwen3_5TextConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25}
+    if small:
+        return Qwen3_5TextConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                                 max_position_embeddings=8192, rope_parameters=rope)
+    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                             num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                             linear_conv_kernel_dim=4, max_position_embeddings=262144, rope_parameters=rope,
+                             tie_word_embeddings=False)
+
+
+TARGETS = {"qwen3-8b": qwen3_8b_config, "qwen3.5-27b": qwen3_5_27b_config}
+
+
 def build_model(config, device: torch.device) -> torch.nn.Module:
     """Random weights, built directly on the device in bf16 (std 0.02; norms at 1)."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -66,7 +98,7 @@ def build_model(config, device: torch.device) -> torch.nn.Module:
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(prev)
     return model.eval().requires_grad_(False)
@@ -119,17 +151,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="tokens per timed pass")
     ap.add_argument("--codecs", default="none,bf16,fp8")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape")
     add_common_args(ap, "/tmp/dflash-bench-cache")
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--profile-interval", type=float, default=15.0)
     args = ap.parse_args()
     device = start_logging_and_device()
-    config = qwen3_8b_config(args.small)
+    config = TARGETS[args.target](args.small)
     layer_ids = select_layers(config.num_hidden_layers, 5)
     t0 = time.perf_counter()
     model = build_model(config, device)
     decoder = decoder_of(model)
+    warn_if_slow_hybrid(config, device)
     print(f"model built in {time.perf_counter() - t0:.1f}s on {device}; layers {layer_ids}", flush=True)
 
     table = synthetic_rows(args.tokens, config.vocab_size)
@@ -153,7 +187,10 @@ def main() -> None:
     full_s = time_forward(decoder, host_batches, device)
     decoder.layers = cut_layers
     cut_s = time_forward(decoder, host_batches, device)
-    results = {"device": torch.cuda.get_device_name(device) if pin else "cpu", "tokens": tokens,
+    results = {"device": torch.cuda.get_device_name(device) if pin else "cpu", "target": args.target,
+               "parameters": sum(p.numel() for p in model.parameters()), "tokens": tokens,
+               "hybrid_kernels": {name: importlib.util.find_spec(name) is not None for name in HYBRID_KERNELS}
+               if has_linear_attention(config) else None,
                "batches": len(batches), "forward_full_tok_s": tokens / full_s, "forward_cut_tok_s": tokens / cut_s,
                "codecs": {}}
     print(f"bare forward, all {config.num_hidden_layers} layers: {tokens / full_s:10,.0f} tok/s", flush=True)
