@@ -148,6 +148,8 @@ def main() -> None:
                     help="sequence lengths uniform in [MIN_SEQ, the bench length] instead of all equal: batches "
                          "of varying shapes, as training sees (compiled kernels are then dynamic-shape ones)")
     ap.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss (train --no-compile)")
+    ap.add_argument("--compare-dynamic", action="store_true",
+                    help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="then trace N resident steps with torch.profiler: top kernels, host syncs, GPU busy share")
     add_common_args(ap, "/tmp/dflash-bench-train")
@@ -197,9 +199,18 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
                      "step_tflops": flops.total / 1e12, "runs": {}}
+    static_shape = trainer.static_shape
+    compare = args.compare_dynamic and static_shape is not None
+    if compare:
+        trainer.static_shape = None
+        t0 = time.perf_counter()
+        timed_steps(trainer, iter(resident), min(3, len(resident)), device)
+        print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
     for rnd in range(args.rounds):
-        for name in ["resident", *codecs]:
-            if name == "resident":
+        for name in ["resident", *(["resident-dynamic"] if compare else []), *codecs]:
+            trainer.static_shape = None if name == "resident-dynamic" else static_shape
+            static_before = trainer.static_steps
+            if name.startswith("resident"):
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
                 dropped = drop_page_cache()
@@ -213,11 +224,12 @@ def main() -> None:
             sec, tok = timed_steps(trainer, batches, args.steps, device)
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            static = trainer.static_steps - static_before
             run = {"tok_s": tok / sec, "s_per_step": sec / args.steps, "peak_gib": peak, "first_2_steps_s": startup,
-                   "page_cache_dropped": dropped, "profile": report}
+                   "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report}
             results["runs"].setdefault(name, []).append(run)
             print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB;"
-                  f" page cache dropped: {dropped}", flush=True)
+                  f" page cache dropped: {dropped}; static-shape steps {static}", flush=True)
             print(report, flush=True)
     base = [r["tok_s"] for r in results["runs"]["resident"]]
     print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
