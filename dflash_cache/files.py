@@ -43,15 +43,34 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """How every JSON file of ours is written, on disk and on object storage alike."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    """A table as one zstd-compressed Parquet file's bytes (plan, index, demo rows)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, json_bytes(obj))
 
 
 def write_parquet_atomic(path: Path, table: pa.Table) -> None:
-    """A table as one zstd-compressed Parquet file, replaced atomically (plan, index, demo rows)."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    write_bytes_atomic(path, sink.getvalue().to_pybytes())
+    """A table as one zstd-compressed Parquet file, replaced atomically."""
+    write_bytes_atomic(path, parquet_bytes(table))
+
+
+def list_files(directory: Path) -> dict[str, int]:
+    """Every file under `directory` (relative path -> size): what a commit record lists."""
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def inside(root: Path, path: Path) -> Path:

@@ -21,7 +21,8 @@ class ExtractConfig:
     data: str = option(help="HF datasets dir, Parquet file/dir, JSONL file/dir, or 'demo'.")
     chat_template: str | None = option(None, path="any", help="Jinja chat template for a chat dataset (messages "
                                                               "rows), overriding the target tokenizer's.")
-    out: str = option(path="dir", help="Cache directory to create or resume.")
+    out: str = option(path="dir", help="Cache directory to create or resume, or a URL such as "
+                                       "s3://bucket/prefix.")
     codec: str = option("bf16", choices=tuple(CODECS), help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
                                                             "per-token scales (~2.4x smaller); fp4: e2m1 + "
                                                             "scales per 32 values and 8 bf16 outlier channels "

@@ -7,6 +7,8 @@ length bucket under a token bound, into a temporary cache (under $TMPDIR). The s
 bytes per token (features + token arrays, per bucket) scale to the plan's tokens; its measured
 forward-and-write time per padded token scales to the work left, divided over the devices. So
 short a run barely overlaps its writes with the forward, as a long one does: the time leans high.
+An --out on object storage is read the same way; the sample still writes a local disk, so its time
+leaves out the uploads.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from dflash_cache.extract.target import load_target
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store import writer
 from dflash_cache.store.codecs import TOKEN_ARRAYS, get_codec
+from dflash_cache.store.destination import open_destination
+from dflash_cache.store.location import is_url
 from dflash_cache.store.manifest import MANIFEST_FILE
 from dflash_cache.store.plan import Plan, PlannedBatch
-from dflash_cache.store.repair import is_half_made
 from dflash_cache.store.segments import SegmentRecord, read_records
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ class Estimate:
     raw_bytes_per_token: int  # the codec's arrays and the token ids and mask, uncompressed
     seconds: float        # extracting what is left on all the devices, model load excluded
     load_seconds: float   # loading the target on one device
-    free_bytes: int       # on --out's file system
+    free_bytes: int | None  # on --out's file system; None for object storage
 
 
 def dry_run(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str], None] = log.info) -> Estimate:
@@ -66,7 +69,8 @@ def dry_run(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str
         total_bytes=total, to_write_bytes=to_write, bytes_per_token=total / max(1, job.plan.num_tokens),
         raw_bytes_per_token=_raw_bytes_per_token(job),
         seconds=sum(b.padded_tokens for b in missing) * seconds / sum(b.padded_tokens for b in sample) / len(devices),
-        load_seconds=load_seconds, free_bytes=shutil.disk_usage(_existing_parent(job.root)).free,
+        load_seconds=load_seconds,
+        free_bytes=None if is_url(job.root) else shutil.disk_usage(_existing_parent(job.root)).free,
     )
     tokens = sum(b.num_tokens for b in sample)
     echo(f"Sample: {len(sample)} batch{'es' if len(sample) != 1 else ''} ({tokens:,} tokens, buckets "
@@ -77,15 +81,19 @@ def dry_run(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str
     return est
 
 
-def report_lines(est: Estimate, n_devices: int, root: Path) -> list[str]:
+def report_lines(est: Estimate, n_devices: int, root: Path | str) -> list[str]:
     """The estimate as printed: size, time, free space, and a warning when the disk is too small."""
     lines = [
         f"Expected cache size: {_size(est.total_bytes)} ({est.bytes_per_token:,.1f} B/token measured; the codec's "
         f"raw form is {est.raw_bytes_per_token:,} B/token); still to write: {_size(est.to_write_bytes)}",
         f"Expected extraction time: {_duration(est.seconds)} on {n_devices} device(s) (the sample's rate, assuming "
         f"linear scaling over devices), plus loading the target: {est.load_seconds:.1f}s",
-        f"Free space for {root}: {_size(est.free_bytes)} (on the file system of {_existing_parent(root)})",
     ]
+    if est.free_bytes is None:
+        lines.append(f"Free space for {root}: object storage, no local disk to fill (each segment is staged in "
+                     f"{tempfile.gettempdir()} while it uploads)")
+        return lines
+    lines.append(f"Free space for {root}: {_size(est.free_bytes)} (on the file system of {_existing_parent(root)})")
     if est.to_write_bytes > est.free_bytes:
         lines.append(f"WARNING: the cache needs {_size(est.to_write_bytes)} more but only {_size(est.free_bytes)} "
                      f"is free at {root}; free space or choose another --out (or --codec fp8)")
@@ -109,21 +117,22 @@ def sample_batches(plan: Plan, max_tokens: int = SAMPLE_TOKENS) -> list[PlannedB
 
 
 def _committed(job: Job, echo: Callable[[str], None]) -> list[SegmentRecord]:
-    """The commit records of an existing cache at --out, read without the lock (a dry run takes
-    none); a cache that a real run would refuse (made differently) is refused here too, with the
-    writer's own message."""
-    root = job.root
-    if not (root / MANIFEST_FILE).is_file():
-        if not is_half_made(root) and writer.foreign_entries(root):
-            echo(f"WARNING: --out {root} exists and is not a dflash-cache: a real run would refuse it")
-        else:
-            echo(f"No cache at {root} yet: {len(job.plan.batches)} segments to extract")
-        return []
-    if job.config.overwrite:
-        echo(f"--overwrite: the cache at {root} would be deleted; {len(job.plan.batches)} segments to extract")
-        return []
-    writer.check_matches(root, job.manifest)  # the writer's own refusal, read-only
-    committed = read_records(root)
+    """The commit records of an existing cache at --out (a directory or a URL), read without the
+    lock (a dry run takes none); a cache that a real run would refuse (made differently) is
+    refused here too, with the writer's own message."""
+    dest = open_destination(job.root)
+    with dest.guard():
+        if not dest.has(MANIFEST_FILE):
+            if not dest.is_half_made() and dest.foreign_entries():
+                echo(f"WARNING: --out {dest} exists and is not a dflash-cache: a real run would refuse it")
+            else:
+                echo(f"No cache at {dest} yet: {len(job.plan.batches)} segments to extract")
+            return []
+        if job.config.overwrite:
+            echo(f"--overwrite: the cache at {dest} would be deleted; {len(job.plan.batches)} segments to extract")
+            return []
+        writer.check_matches(dest, job.manifest)  # the writer's own refusal, read-only
+        committed = dest.records()
     echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; "
          f"{len(job.plan.missing({r.name for r in committed}))} to extract")
     return committed

@@ -22,6 +22,7 @@ from dflash_cache.extract.target import TargetDescription, describe_target
 from dflash_cache.profiler import interval_from_env
 from dflash_cache.store import writer
 from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.location import is_url
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.plan import Plan
 
@@ -38,8 +39,10 @@ class Job:
     manifest: Manifest
 
     @property
-    def root(self) -> Path:
-        return Path(self.config.out)
+    def root(self) -> Path | str:
+        """--out: a directory, or a URL (kept a string: a Path would fold its '//')."""
+        out = self.config.out
+        return out if is_url(out) else Path(out)
 
 
 def open_data(data: str, limit: int | None = None, chat: ChatSpec | None = None) -> TokenizedDataset:

@@ -135,7 +135,7 @@ class RankResult:
 class RankExtractor:
     """Runs one rank's share of the plan on one device."""
 
-    def __init__(self, *, root: Path, dataset: TokenizedDataset, model: torch.nn.Module, layer_ids: list[int],
+    def __init__(self, *, root: Path | str, dataset: TokenizedDataset, model: torch.nn.Module, layer_ids: list[int],
                  codec: str, device: torch.device, rank: int, writers: int, prefetch: int,
                  unit_rows: int, max_len: int | None, overlong: str, profiler: StageProfiler,
                  progress: bool, writes: bool = True) -> None:

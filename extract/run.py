@@ -6,7 +6,8 @@ extracts its share of the missing segments (`store.plan.deal`: about the same fo
 every rank, whatever the size of the data), and rank 0 rewrites the index from the commits.
 One device runs it in this process as the only rank. Several (`--gpus all`, `--gpus 0,2,3`) are
 started as one rank each by torch's elastic launcher (`dflash_cache.extract.launch`), which gives
-them exactly the environment torchrun gives its ranks, so both run the same code.
+them exactly the environment torchrun gives its ranks, so both run the same code. --out may be a
+URL (s3://bucket/prefix): the lock is then an object there, and each rank uploads its own segments.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,9 @@ from dflash_cache.extract.launch import launch
 from dflash_cache.extract.pipeline import RankExtractor
 from dflash_cache.extract.target import TargetDescription, describe_target, load_target
 from dflash_cache.profiler import StageProfiler, interval_from_env
-from dflash_cache.store.lock import CacheLock
-from dflash_cache.store.manifest import read_manifest
+from dflash_cache.store.location import open_location
 from dflash_cache.store.plan import deal, read_plan
+from dflash_cache.store.remote_lock import lock_for
 from dflash_cache.store.writer import finish_cache
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def _open_cache(cfg: ExtractConfig, rank: int, world: int, echo: Callable[[str],
     try:
         job = plan_job(cfg)
         echo(job.plan.summary())
-        stack.enter_context(CacheLock(job.root))
+        stack.enter_context(lock_for(job.root))
         committed = open_or_create(job)
     except UserError as e:
         _word_of_rank_0(world, str(e), set())
@@ -193,7 +193,9 @@ def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: to
 
 
 def job_from_cache(cfg: ExtractConfig, target: TargetDescription) -> Job:
-    """The job as ranks other than 0 see it: the plan comes from the cache rank 0 created."""
-    root = Path(cfg.out)
-    manifest = read_manifest(root)
-    return Job(cfg, target, open_data(cfg.data, cfg.limit, chat_spec(cfg)), None, read_plan(root, manifest), manifest)
+    """The job as ranks other than 0 see it: the plan comes from the cache rank 0 created (a
+    directory, or a URL: each rank then reads and writes the prefix itself)."""
+    location = open_location(cfg.out)
+    manifest = location.manifest()
+    return Job(cfg, target, open_data(cfg.data, cfg.limit, chat_spec(cfg)), None, read_plan(location, manifest),
+               manifest)

@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_cache.errors import UserError
 from dflash_cache.extract.dataset import TokenizedDataset
 from dflash_cache.extract.job import build_manifest
 from dflash_cache.extract.target import TargetDescription
 from dflash_cache.store.batch import HostBatch, PackedBatch
 from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.location import is_url
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
 from dflash_cache.store.segments import read_records, segment_name
@@ -55,6 +57,9 @@ class CacheTee:
     def __init__(self, *, out: str, codec: str, target: TargetDescription, dataset: TokenizedDataset,
                  table: SampleTable, source_config: SourceConfig, bucket_bounds: tuple[int, ...],
                  max_len: int | None, overlong: str, rank: int, world: int) -> None:
+        if is_url(out):
+            raise UserError(f"--write-cache {out}: the live run writes its cache to a local directory only; write "
+                            "it there (and copy it up), or make the cache with dflash-cache extract --out URL")
         self.root, self.rank, self.world = Path(out), rank, world
         self.codec = get_codec(codec)
         self.n_layers = len(target.layer_ids)

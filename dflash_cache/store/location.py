@@ -6,9 +6,11 @@ disk, with the same checks of records, file lists and array metadata. Locally th
 opened with the store's care (nothing outside the root, regular files only); an object store has
 no links to follow, so a key under the prefix is all there is to check.
 
-Reading only: extraction, repair and the lock need a local directory for now. Credentials and
-endpoints come from the usual environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-AWS_ENDPOINT_URL for an S3-compatible server), as fsspec's filesystems read them.
+These are the reading side; `dflash_cache.store.destination` extends them with what extraction
+writes (`extract --out s3://...`). Repair and the live tee's `--write-cache` need a local
+directory. Credentials and endpoints come from the usual environment (for S3: AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible server), as fsspec's filesystems
+read them.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def is_url(spec: str | Path) -> bool:
     return isinstance(spec, str) and "://" in spec
 
 
-def open_location(spec: str | Path) -> LocalCache | RemoteCache:
+def open_location(spec: str | Path | Location) -> Location:
+    """Where the cache `spec` (a directory, a URL, or a location already) is read from."""
+    if isinstance(spec, LocalCache | RemoteCache):
+        return spec
     return RemoteCache(spec) if is_url(spec) else LocalCache(Path(spec))
 
 
@@ -197,7 +202,14 @@ class RemoteCache:
         return self._json(f"{SEGMENTS_DIR}/{name}/{rel}", MAX_ARRAY_META_BYTES)
 
     def zarr_store(self, name: str):
+        return self._zarr(f"{SEGMENTS_DIR}/{name}", read_only=True)
+
+    def _zarr(self, rel: str, *, read_only: bool):
+        """zarr's store for the prefix `rel` ("" for the cache's own), on this filesystem's options."""
         from zarr.storage import FsspecStore
 
-        return FsspecStore.from_url(f"{self.url}/{SEGMENTS_DIR}/{name}", read_only=True,
+        return FsspecStore.from_url(f"{self.url}/{rel}".rstrip("/"), read_only=read_only,
                                     storage_options=getattr(self.fs, "storage_options", None) or None)
+
+
+Location = LocalCache | RemoteCache

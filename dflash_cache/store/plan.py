@@ -19,6 +19,7 @@ import pyarrow as pa
 from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import write_parquet_atomic
 from dflash_cache.options import check_options, option
+from dflash_cache.store.location import Location
 from dflash_cache.store.manifest import Manifest, PlanParams
 from dflash_cache.store.reader import read_parquet
 from dflash_cache.store.segments import segment_name
@@ -172,8 +173,8 @@ def write_plan_table(root: Path, plan: Plan) -> None:
     write_parquet_atomic(root / PLAN_FILE, pa.table({k: np.concatenate(v) for k, v in parts.items()}))
 
 
-def read_plan(root: Path, manifest: Manifest) -> Plan:
-    """The plan a cache was made with, from plan.parquet and the manifest."""
+def read_plan(root: str | Path | Location, manifest: Manifest) -> Plan:
+    """The plan a cache (a directory, a URL or a location) was made with, from plan.parquet and the manifest."""
     t = read_parquet(root, PLAN_FILE)
     p = manifest.plan
     config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,

@@ -33,7 +33,7 @@ from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import write_parquet_atomic
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
-from dflash_cache.store.location import LocalCache, RemoteCache, open_location
+from dflash_cache.store.location import LocalCache, Location, open_location
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.segments import (
     ArrayLayout,
@@ -119,25 +119,30 @@ def records_digest(records: list[SegmentRecord]) -> str:
     return hashlib.sha256("\n".join(r.name for r in records).encode()).hexdigest()
 
 
-def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
-    """Write index.parquet atomically, tagged with the commits it covers."""
-    table = build_index(records).replace_schema_metadata(
+def index_table(records: list[SegmentRecord]) -> pa.Table:
+    """index.parquet's table, tagged with the commits it covers."""
+    return build_index(records).replace_schema_metadata(
         {"commits": str(len(records)), "commits_digest": records_digest(records)}
     )
+
+
+def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
+    """Write index.parquet atomically, tagged with the commits it covers."""
+    table = index_table(records)
     write_parquet_atomic(root / INDEX_FILE, table)
     return table
 
 
-def read_parquet(root: Path, name: str, max_bytes: int = 1 << 30) -> pa.Table:
-    """A Parquet file of a local cache root (plan.parquet, index.parquet), read with the care of
-    `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
-    table = parquet_or_corrupt(LocalCache(root), name, max_bytes)
+def read_parquet(root: str | Path | Location, name: str, max_bytes: int = 1 << 30) -> pa.Table:
+    """A Parquet file of a cache (plan.parquet, index.parquet): a local one's read with the care
+    of `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
+    table = parquet_or_corrupt(open_location(root), name, max_bytes)
     if table is None:
         raise CacheCorruptError(f"{name} is missing; copy the cache again or re-run extract")
     return table
 
 
-def parquet_or_corrupt(location: LocalCache | RemoteCache, name: str, max_bytes: int) -> pa.Table | None:
+def parquet_or_corrupt(location: Location, name: str, max_bytes: int) -> pa.Table | None:
     """`location.parquet`, with a file that cannot be read as CacheCorruptError naming it and the fix."""
     try:
         return location.parquet(name, max_bytes)

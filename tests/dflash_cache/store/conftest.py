@@ -1,7 +1,9 @@
-"""Session-scoped real caches (tiny model, demo data, CPU), built once per codec on first use."""
+"""Session-scoped real caches (tiny model, demo data, CPU), built once per codec on first use, and
+an S3 server (moto's) for the modules that read or write caches on object storage."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -54,3 +56,27 @@ def cache_copy(real_cache, tmp_path):
         return dst
 
     return get
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3 server on a free local port; yields an s3fs filesystem on it. Credentials and the
+    endpoint reach s3fs through the environment, as they would for a real bucket. One server for
+    the session: fsspec keeps the filesystems it made (and their connections) for the process, so
+    they must not outlive the server they talk to. Modules use buckets of their own."""
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    requests = logging.getLogger("werkzeug")  # the server's line per request, captured by pytest: seconds
+    level = requests.level                    # per extraction
+    requests.setLevel(logging.WARNING)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", "test")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        yield s3fs.S3FileSystem(skip_instance_cache=True)
+    requests.setLevel(level)
+    server.stop()

@@ -17,31 +17,19 @@ from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import summarize, verify
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 BUCKET = "caches"
 
 
 @pytest.fixture(scope="module")
-def s3(real_cache):
-    """An S3 server on a free local port with the fp8 demo cache under s3://caches/demo; yields
-    (filesystem, local copy). Credentials and the endpoint reach s3fs through the environment."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("AWS_ACCESS_KEY_ID", "test")
-        env.setenv("AWS_SECRET_ACCESS_KEY", "test")
-        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        local = real_cache("fp8")
-        fs.put(str(local) + "/", f"{BUCKET}/demo/", recursive=True)
-        yield fs, local
-    server.stop()
+def s3(s3_server, real_cache):
+    """The fp8 demo cache copied under s3://caches/demo: (filesystem, local copy)."""
+    fs = s3_server
+    fs.mkdir(BUCKET)
+    local = real_cache("fp8")
+    fs.put(str(local) + "/", f"{BUCKET}/demo/", recursive=True)
+    return fs, local
 
 
 def test_a_cache_on_s3_reads_as_the_local_one(s3):
