@@ -10,7 +10,7 @@ and committed by one PUT remotely. Reports MB/s of stored bytes and tokens/s, lo
 cache dropped before reading when the OS allows), then remote.
 
 Without --url the S3 server is moto's, started on this machine: that measures the client path
-(s3fs, HTTP, zarr's fsspec store) with a Python server behind it, not a cloud bucket. With --url
+(s3fs, HTTP; a segment fetched whole by concurrent requests) with a Python server behind it, not a cloud bucket. With --url
 s3://bucket/prefix (credentials and AWS_ENDPOINT_URL from the environment) it measures that bucket.
 
     python bench/object_store.py [--tokens 40000] [--codec fp8] [--threads 4] [--url s3://b/p]

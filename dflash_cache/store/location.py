@@ -201,6 +201,26 @@ class RemoteCache:
     def segment_meta(self, name: str, rel: str) -> Any:
         return self._json(f"{SEGMENTS_DIR}/{name}/{rel}", MAX_ARRAY_META_BYTES)
 
+    def fetch_segment(self, name: str, files: dict[str, int]) -> dict[str, bytes]:
+        """Every file a segment's record lists, fetched by concurrent requests (one round trip's
+        latency for the whole segment, where zarr would ask for each shard's index, then its chunks);
+        CacheCorruptError for a missing object or one of another size than the record says."""
+        if not NAME_RE.match(name):
+            raise CacheCorruptError(f"bad segment name {name!r}")
+        prefix = self._key(f"{SEGMENTS_DIR}/{name}")
+        keys = {f"{prefix}/{rel}": rel for rel in files}
+        fetched = self.fs.cat(list(keys), on_error="return") if keys else {}
+        blobs: dict[str, bytes] = {}
+        for key, rel in keys.items():
+            data = fetched.get(key)
+            if data is None or isinstance(data, BaseException):
+                raise CacheCorruptError(f"segment {name}: {rel} cannot be read ({data or 'missing'}); copy the cache "
+                                        "again or re-run extract")
+            if len(data) != files[rel]:
+                raise CacheCorruptError(f"segment {name}: {rel} is {len(data)} bytes, its record says {files[rel]}")
+            blobs[rel] = data
+        return blobs
+
     def zarr_store(self, name: str):
         return self._zarr(f"{SEGMENTS_DIR}/{name}", read_only=True)
 

@@ -28,6 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import MemoryStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import write_parquet_atomic
@@ -52,6 +54,12 @@ INDEX_BYTES_PER_SAMPLE = 256  # an index.parquet larger than this per sample (+1
 # mismatch (a flipped byte, a truncated shard, a damaged shard index), RuntimeError from Blosc
 # for a stream it cannot decompress. Only the zarr read itself sits inside the try.
 DECODE_ERRORS = (ValueError, RuntimeError)
+
+
+def memory_store(blobs: dict[str, bytes]) -> MemoryStore:
+    """A read-only zarr store over files held in memory (relative path -> bytes)."""
+    buffer = default_buffer_prototype().buffer
+    return MemoryStore({rel: buffer.from_bytes(data) for rel, data in blobs.items()}, read_only=True)
 INDEX_SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -308,21 +316,29 @@ class CacheReader:
             return cached
         rec = self.record(name)
         self.check_segment(rec)
-        layout = self.layouts(rec).get(key)
-        if layout is None:
-            raise UserError(f"segment {name} has no array {key!r}")
-        store = self.location.zarr_store(name)
-        try:
-            arr = zarr.open_array(store, path=key, mode="r", zarr_format=3)
-        except (ValueError, TypeError, KeyError, OSError) as e:  # metadata passed our check but not zarr's
-            raise CacheCorruptError(f"segment {name}: array {key} cannot be opened ({type(e).__name__}: {e})") from None
-        if tuple(arr.shape) != layout.shape or np.dtype(arr.dtype) != layout.dtype:  # changed since checked
-            raise CacheCorruptError(f"segment {name}: array {key} changed while it was being read")
+        arr = self._open_array(self.location.zarr_store(name), rec, key)
         self._open.put((name, key), arr)
         return arr
 
+    def _open_array(self, store, rec: SegmentRecord, key: str) -> zarr.Array:
+        """Array `key` of segment `rec` (checked) from `store`, held to the layout the writer makes."""
+        layout = self.layouts(rec).get(key)
+        if layout is None:
+            raise UserError(f"segment {rec.name} has no array {key!r}")
+        try:
+            arr = zarr.open_array(store, path=key, mode="r", zarr_format=3)
+        except (ValueError, TypeError, KeyError, OSError) as e:  # metadata passed our check but not zarr's
+            raise CacheCorruptError(f"segment {rec.name}: array {key} cannot be opened ({type(e).__name__}: {e})") from None
+        if tuple(arr.shape) != layout.shape or np.dtype(arr.dtype) != layout.dtype:  # changed since checked
+            raise CacheCorruptError(f"segment {rec.name}: array {key} changed while it was being read")
+        return arr
+
     def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        arr = self._array(name, key)
+        return self._values(self._array(name, key), name, key, start, stop)
+
+    def _values(self, arr: zarr.Array, name: str, key: str, start: int | None = None,
+                stop: int | None = None) -> np.ndarray:
+        """Rows start:stop of an opened array, decoded (every chunk's CRC32C checked) and held to the codec."""
         try:
             values = np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
@@ -333,9 +349,15 @@ class CacheReader:
         return values
 
     def read_segment(self, name: str) -> dict[str, np.ndarray]:
-        """All arrays of one segment (stored dtypes), decoded from disk."""
+        """All arrays of one segment (stored dtypes), decoded. On object storage the segment's
+        objects are first fetched whole, concurrently (`RemoteCache.fetch_segment`)."""
         keys = [*TOKEN_ARRAYS, *self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)]
-        return {k: self.read_array(name, k) for k in keys}
+        if isinstance(self.location, LocalCache):
+            return {k: self.read_array(name, k) for k in keys}
+        rec = self.record(name)
+        self.check_segment(rec)
+        store = memory_store(self.location.fetch_segment(name, rec.files))
+        return {k: self._values(self._open_array(store, rec, k), name, k) for k in keys}
 
     def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:
         """A segment as it was committed: its packed batch and its stored (encoded) feature arrays."""

@@ -64,6 +64,31 @@ def test_damage_on_s3_is_found_and_named(s3):
         reader.read_segment(first)
 
 
+def test_a_segment_on_s3_is_fetched_whole_in_one_round_of_requests(s3, monkeypatch):
+    """read_segment (what phase 2's prefetch calls) fetches every object the record lists in one
+    concurrent `cat`, and never reads through zarr's per-chunk store; the arrays equal the local
+    read. An object of another size than the record says is named."""
+    from dflash_cache.store.location import RemoteCache
+
+    fs, local = s3
+    remote, here = CacheReader(f"s3://{BUCKET}/demo"), CacheReader(local)
+    name = remote.records[3].name
+    calls = []
+    fetch = RemoteCache.fetch_segment
+    monkeypatch.setattr(RemoteCache, "fetch_segment", lambda self, *a: calls.append(a[0]) or fetch(self, *a))
+    monkeypatch.setattr(RemoteCache, "zarr_store", lambda self, name: pytest.fail("read through zarr's store"))
+    got, want = remote.read_segment(name), here.read_segment(name)
+    assert calls == [name] and got.keys() == want.keys()
+    assert all((got[k] == want[k]).all() for k in want)
+    monkeypatch.undo()
+    fs.copy(f"{BUCKET}/demo", f"{BUCKET}/grown", recursive=True)
+    shard = f"{BUCKET}/grown/segments/{name}/input_ids/c/0"
+    fs.pipe(shard, fs.cat_file(shard) + b"x")
+    reader = CacheReader(f"s3://{BUCKET}/grown", check_segment_files=False)
+    with pytest.raises(CacheCorruptError, match=f"segment {name}: input_ids/c/0 is .* its record says"):
+        reader.read_segment(name)
+
+
 def test_inspect_and_train_from_s3(s3, tmp_path):
     """The CLI takes the URL where it takes a directory: inspect --verify is clean, --repair is
     refused (read-only), and training reads it to the same losses as from the local copy."""
