@@ -48,7 +48,6 @@ from dflash_cache.extract.target import (  # noqa: E402
     warn_if_slow_hybrid,
 )
 from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.store import fp4  # noqa: E402
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
 from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
 
@@ -151,8 +150,7 @@ def bytes_on_disk(root: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="tokens per timed pass")
-    ap.add_argument("--codecs", default="none,bf16,fp8", help="codecs to time, in order; fp4:eager is fp4 quantised "
-                    "without torch.compile")
+    ap.add_argument("--codecs", default="none,bf16,fp8")
     ap.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape")
     add_common_args(ap, "/tmp/dflash-bench-cache")
     ap.add_argument("--writers", type=int, default=8)
@@ -201,14 +199,10 @@ def main() -> None:
     print(f"bare forward, cut after layer {layer_ids[-1]}:   {tokens / cut_s:10,.0f} tok/s", flush=True)
 
     root = Path(args.out)
-    compiled_fp4 = fp4.quantize_fp4_layout
     for codec in args.codecs.split(","):
         profiler = StageProfiler(args.profile_interval, prefix=f"[{codec}] ")
-        store_codec, eager = codec.removesuffix(":eager"), codec.endswith(":eager")
-        if store_codec == "fp4":  # fp4:eager quantises without torch.compile, for comparison
-            fp4.quantize_fp4_layout = fp4._quantize_layout if eager else compiled_fp4
         extractor = RankExtractor(
-            root=root, dataset=data, model=model, layer_ids=layer_ids, codec=store_codec, device=device, rank=0,
+            root=root, dataset=data, model=model, layer_ids=layer_ids, codec=codec, device=device, rank=0,
             writers=args.writers, prefetch=args.prefetch, unit_rows=PlanConfig().unit_rows, max_len=None,
             overlong="truncate", profiler=profiler, progress=False,
         )
