@@ -59,7 +59,7 @@ def dry_run(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str
     echo(f"Dry run: nothing will be written to {job.root}.")
     echo(job.plan.summary())
     committed = _committed(job, echo)
-    missing = job.plan.missing({r.name for r in committed})
+    missing = job.todo({r.name for r in committed})
     sample = sample_batches(job.plan)
     with tempfile.TemporaryDirectory(prefix="dflash-dry-run-") as tmp:
         records, seconds, load_seconds = _extract_sample(job, sample, devices[0], Path(tmp))
@@ -134,7 +134,7 @@ def _committed(job: Job, echo: Callable[[str], None]) -> list[SegmentRecord]:
         writer.check_matches(dest, job.manifest)  # the writer's own refusal, read-only
         committed = dest.records()
     echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; "
-         f"{len(job.plan.missing({r.name for r in committed}))} to extract")
+         f"{len(job.todo({r.name for r in committed}))} to extract")
     return committed
 
 

@@ -23,8 +23,10 @@ from dflash_cache.profiler import interval_from_env
 from dflash_cache.store import writer
 from dflash_cache.store.codecs import get_codec
 from dflash_cache.store.location import is_url
+from dflash_cache.store.lock import LOCK_FILE
 from dflash_cache.store.manifest import Manifest
-from dflash_cache.store.plan import Plan
+from dflash_cache.store.plan import Plan, PlannedBatch
+from dflash_cache.store.segments import segment_name
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,20 @@ class Job:
         """--out: a directory, or a URL (kept a string: a Path would fold its '//')."""
         out = self.config.out
         return out if is_url(out) else Path(out)
+
+    @property
+    def lock_name(self) -> str:
+        share = self.config.copy_share
+        return LOCK_FILE if share is None else share.lock_name
+
+    def todo(self, committed: set[str]) -> list[PlannedBatch]:
+        """The missing batches this run extracts, in plan order: all of them, or its copy's share."""
+        missing = self.plan.missing(committed)
+        share = self.config.copy_share
+        if share is None:
+            return missing
+        mine = share.names(self.plan)
+        return [b for b in missing if segment_name(b.unit, b.batch) in mine]
 
 
 def open_data(data: str, limit: int | None = None, chat: ChatSpec | None = None) -> TokenizedDataset:
@@ -122,5 +138,11 @@ def check_context(lengths: np.ndarray, context: int | None, dataset: TokenizedDa
 
 def open_or_create(job: Job) -> set[str]:
     """The job's cache, created or reopened by the store's writer; returns the committed segment
-    names. Hold the lock."""
-    return writer.open_or_create(job.root, job.manifest, job.plan, overwrite=job.config.overwrite)
+    names. Hold the lock. A copy (`--copy K/C`) tidies only its own share's leftovers, and copies
+    other than 0 only reopen the cache copy 0 created."""
+    share = job.config.copy_share
+    if share is None:
+        return writer.open_or_create(job.root, job.manifest, job.plan, overwrite=job.config.overwrite)
+    return writer.open_or_create(job.root, job.manifest, job.plan, overwrite=job.config.overwrite,
+                                 owned=share.names(job.plan).__contains__,
+                                 created_by=None if share.index == 0 else f"--copy 0/{share.count}")

@@ -4,6 +4,8 @@ Every rank runs `extract_rank`, whoever started it: rank 0 validates and plans, 
 lock, creates or reopens the cache and tells the other ranks whether that worked; then each rank
 extracts its share of the missing segments (`store.plan.deal`: about the same forward work on
 every rank, whatever the size of the data), and rank 0 rewrites the index from the commits.
+Several runs may share one cache (`--copy K/C`, one per copy of a target split over GPUs): each
+takes its copy's share of the plan first (`Job.todo`).
 One device runs it in this process as the only rank. Several (`--gpus all`, `--gpus 0,2,3`) are
 started as one rank each by torch's elastic launcher (`dflash_cache.extract.launch`), which gives
 them exactly the environment torchrun gives its ranks, so both run the same code. --out may be a
@@ -113,7 +115,7 @@ def extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Callable[[st
     if tensor_parallel and world != cfg.gpus_per_target:
         raise UserError(f"--gpus-per-target {cfg.gpus_per_target} runs one copy of the target over all the GPUs, so it "
                         f"needs exactly {cfg.gpus_per_target} of them (--gpus or torchrun's ranks), got {world}; "
-                        "several copies at once are not supported yet")
+                        f"for more copies, start one run of {cfg.gpus_per_target} GPUs per copy with --copy K/C")
     with contextlib.ExitStack() as stack:  # unwinds with the exception, so a refused run's lock file goes
         if world > 1:
             if device.type == "cuda":
@@ -143,15 +145,16 @@ def _open_cache(cfg: ExtractConfig, rank: int, world: int, echo: Callable[[str],
     try:
         job = plan_job(cfg)
         echo(job.plan.summary())
-        stack.enter_context(lock_for(job.root))
+        stack.enter_context(lock_for(job.root, name=job.lock_name))
         committed = open_or_create(job)
     except UserError as e:
         _word_of_rank_0(world, str(e), set())
         raise
     _word_of_rank_0(world, None, committed)
-    todo = len(job.plan.missing(committed))
+    todo = len(job.todo(committed))
+    share = cfg.copy_share
     echo(f"{len(committed)} of {len(job.plan.batches)} segments already committed; {todo} to extract"
-         + (f" on {world} ranks" if world > 1 else ""))
+         + (f" as copy {share.index} of {share.count}" if share else "") + (f" on {world} ranks" if world > 1 else ""))
     return job, committed
 
 
@@ -172,7 +175,7 @@ def run_rank(job: Job, committed: set[str], *, rank: int, world: int, device: to
     (each holds a share of the target's weights) and rank 0 writes."""
     cfg = job.config
     tensor_parallel = cfg.gpus_per_target > 1
-    batches = job.plan.missing(committed) if tensor_parallel else deal(job.plan.missing(committed), world)[rank]
+    batches = job.todo(committed) if tensor_parallel else deal(job.todo(committed), world)[rank]
     if not batches:
         log.info("rank %d: nothing to do", rank)
         return

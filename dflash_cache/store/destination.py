@@ -148,8 +148,8 @@ class LocalDestination(LocalCache):
     def zarr_root(self) -> LocalStore:
         return LocalStore(self.root)
 
-    def remove_uncommitted(self, committed: set[str]) -> int:
-        return remove_uncommitted_segments(self.root, committed)
+    def remove_uncommitted(self, committed: set[str], owned: Callable[[str], bool] | None = None) -> int:
+        return remove_uncommitted_segments(self.root, committed, owned)
 
     def put_segment(self, name: str, write: WriteFiles) -> dict[str, int]:
         """Write a segment's files in place, fsynced: durable before a commit can point at them.
@@ -250,14 +250,16 @@ class RemoteDestination(RemoteCache):
     def zarr_root(self):
         return self._zarr("", read_only=False)
 
-    def remove_uncommitted(self, committed: set[str]) -> int:
-        """Delete segment prefixes no record covers: what a killed run had uploaded so far."""
+    def remove_uncommitted(self, committed: set[str], owned: Callable[[str], bool] | None = None) -> int:
+        """Delete segment prefixes no record covers (what a killed run had uploaded so far); with
+        `owned`, only those of the segments it accepts."""
         try:
             listing = self.fs.ls(self._key(SEGMENTS_DIR), detail=False)
         except FileNotFoundError:
             return 0
         names = {key.rstrip("/").rsplit("/", 1)[-1] for key in listing}
-        stale = sorted(n for n in names if n not in committed and n != ZARR_JSON and n not in ("", ".", ".."))
+        stale = sorted(n for n in names if n not in committed and n != ZARR_JSON and n not in ("", ".", "..")
+                       and (owned is None or owned(n)))
         if stale:
             self.fs.rm([self._key(f"{SEGMENTS_DIR}/{n}") for n in stale], recursive=True)
         return len(stale)

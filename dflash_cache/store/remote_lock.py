@@ -60,14 +60,15 @@ class Holder:
 
 
 class RemoteLock:
-    """`with RemoteLock(url):` holds `url/.lock`; a second holder fails at once while it lasts.
+    """`with RemoteLock(url):` holds `url/.lock` (or `url/<name>`); a second holder fails at once while it lasts.
 
     `ttl` is how long the lock lasts unless renewed (the heartbeat renews it every ttl / 3);
     `flag` names the option that chose `url`, for the error messages (None: no option did)."""
 
-    def __init__(self, url: str, *, ttl: float = LOCK_TTL, flag: str | None = "--out") -> None:
+    def __init__(self, url: str, *, ttl: float = LOCK_TTL, flag: str | None = "--out", name: str = LOCK_FILE) -> None:
         self.dest = RemoteDestination(url)
-        self.key = f"{self.dest.path}/{LOCK_FILE}"
+        self.name = name
+        self.key = f"{self.dest.path}/{name}"
         self.ttl, self.flag = ttl, flag
         self.owner = f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex[:12]}"
         self._stop = threading.Event()
@@ -96,7 +97,7 @@ class RemoteLock:
 
     @property
     def _url(self) -> str:
-        return f"{self.dest.url}/{LOCK_FILE}"
+        return f"{self.dest.url}/{self.name}"
 
     def _take(self) -> None:
         held = self._read()
@@ -153,6 +154,6 @@ class RemoteLock:
             self.dest.fs.rm_file(self.key)
 
 
-def lock_for(out: Path | str, *, flag: str | None = "--out") -> CacheLock | RemoteLock:
-    """The lock of the cache at `out`: an flock for a directory, a lock object for a URL."""
-    return RemoteLock(out, flag=flag) if is_url(out) else CacheLock(Path(out), flag=flag)
+def lock_for(out: Path | str, *, flag: str | None = "--out", name: str = LOCK_FILE) -> CacheLock | RemoteLock:
+    """The lock `name` of the cache at `out`: an flock for a directory, a lock object for a URL."""
+    return RemoteLock(out, flag=flag, name=name) if is_url(out) else CacheLock(Path(out), name=name, flag=flag)

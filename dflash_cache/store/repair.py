@@ -13,7 +13,7 @@ the cache lock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from zarr.core.common import ZARR_JSON
@@ -34,9 +34,10 @@ def is_half_made(root: Path) -> bool:
     return (root / CREATING_FILE).exists() and not (root / MANIFEST_FILE).is_file()
 
 
-def remove_uncommitted_segments(root: Path, committed: set[str]) -> int:
-    """Crash leftovers: segment directories no record covers (the segments group's own metadata stays)."""
-    return remove_uncommitted(root, committed | {ZARR_JSON})
+def remove_uncommitted_segments(root: Path, committed: set[str], owned: Callable[[str], bool] | None = None) -> int:
+    """Crash leftovers: segment directories no record covers (the segments group's own metadata
+    stays); with `owned`, only those of the segments it accepts."""
+    return remove_uncommitted(root, committed | {ZARR_JSON}, owned)
 
 
 def uncommit(root: Path, names: Iterable[str]) -> list[str]:

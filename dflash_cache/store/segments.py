@@ -375,13 +375,15 @@ def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[
     return problems
 
 
-def remove_uncommitted(root: Path, committed: set[str]) -> int:
-    """Delete segment directories and temp records that no commit covers (crash leftovers)."""
+def remove_uncommitted(root: Path, committed: set[str], owned: Callable[[str], bool] | None = None) -> int:
+    """Delete segment directories and temp records that no commit covers (crash leftovers); with
+    `owned`, only those of segments it accepts (another run may be writing the others)."""
     removed = 0
     seg_root = root / SEGMENTS_DIR
+    mine = owned or (lambda _name: True)
     if seg_root.is_dir():
         for d in seg_root.iterdir():
-            if d.name not in committed:
+            if d.name not in committed and mine(d.name):
                 if d.is_dir() and not d.is_symlink():
                     shutil.rmtree(d, ignore_errors=True)
                 else:  # a file or a symlink: remove the link itself, never what it points at
@@ -390,6 +392,6 @@ def remove_uncommitted(root: Path, committed: set[str]) -> int:
     commits = root / COMMITS_DIR
     if commits.is_dir():
         for p in commits.iterdir():
-            if p.name.endswith(TMP_SUFFIX):
+            if p.name.endswith(TMP_SUFFIX) and mine(p.name.split(".")[0]):
                 p.unlink(missing_ok=True)
     return removed

@@ -50,14 +50,21 @@ Out = Path | str | Destination  # a cache directory, a URL, or where either is w
 
 # --- creating or reopening --------------------------------------------------------------------
 
-def open_or_create(root: Out, manifest: Manifest, plan: Plan, *, overwrite: bool = False) -> set[str]:
+def open_or_create(root: Out, manifest: Manifest, plan: Plan, *, overwrite: bool = False,
+                   owned: Callable[[str], bool] | None = None, created_by: str | None = None) -> set[str]:
     """Create the cache, or reopen a matching one; returns the committed segment names.
 
     A half-made cache (killed or refused a disk while being created) holds no committed segment,
-    so it is made again from the start, with or without `overwrite`."""
+    so it is made again from the start, with or without `overwrite`. When several runs share one
+    cache (`extract --copy`): `owned` says which segments' leftovers this run may remove (the
+    others may be being written), and with `created_by` (who creates it, for the message) this
+    run only reopens: the cache must exist."""
     dest = open_destination(root)
     with dest.guard():
         is_cache = dest.has(MANIFEST_FILE)
+        if created_by is not None and not is_cache:
+            raise UserError(f"--out {dest} holds no cache yet: {created_by} creates it; start that one first, "
+                            "then this one")
         if is_cache and not overwrite:
             check_matches(dest, manifest)
             _reopen(dest)
@@ -68,7 +75,7 @@ def open_or_create(root: Out, manifest: Manifest, plan: Plan, *, overwrite: bool
         else:
             raise UserError(f"--out {dest} exists and is not a dflash-cache; choose an empty or new {dest.kind}")
         committed = {r.name for r in dest.records()}
-        removed = dest.remove_uncommitted(committed)
+        removed = dest.remove_uncommitted(committed, owned)
     if removed:
         log.info("removed %d uncommitted segment(s) left by an interrupted run", removed)
     return committed

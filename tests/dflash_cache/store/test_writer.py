@@ -66,6 +66,25 @@ def test_reopening_a_matching_cache_keeps_commits_and_drops_leftovers(tmp_path):
     assert check_files(tmp_path, rec) == []
 
 
+def test_a_run_sharing_the_cache_removes_only_its_own_leftovers(tmp_path):
+    """`owned` (extract --copy): another run may be writing the other segments, so their files
+    without a record stay, and so do their temporary records; this run's own leftovers go. With
+    `created_by` a run only reopens: a missing cache is an error naming who creates it."""
+    with pytest.raises(UserError, match="holds no cache yet: copy 0 creates it; start that one first"):
+        open_or_create(tmp_path / "none", make_manifest(), one_segment_plan(), created_by="copy 0")
+    assert not (tmp_path / "none").exists()
+    manifest, plan, _ = new_cache(tmp_path)
+    rec, _ = write_synthetic_segment(tmp_path, manifest)
+    mine, theirs = tmp_path / SEGMENTS_DIR / "u000000-b00001", tmp_path / SEGMENTS_DIR / "u000000-b00002"
+    for leftover in (mine, theirs):
+        shutil.copytree(tmp_path / SEGMENTS_DIR / NAME, leftover)
+        (tmp_path / COMMITS_DIR / f"{leftover.name}.json.123.tmp").write_text("{")
+    assert open_or_create(tmp_path, manifest, plan, owned={NAME, mine.name}.__contains__, created_by="copy 0") \
+        == {rec.name}
+    assert not mine.exists() and theirs.is_dir()
+    assert sorted(p.name for p in (tmp_path / COMMITS_DIR).iterdir()) == [f"{NAME}.json", f"{theirs.name}.json.123.tmp"]
+
+
 def test_a_cache_made_differently_is_refused_naming_the_field_unless_overwritten(tmp_path):
     manifest, plan, _ = new_cache(tmp_path)
     write_synthetic_segment(tmp_path, manifest)
