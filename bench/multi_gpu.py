@@ -70,9 +70,19 @@ def extraction_rate(output: str) -> tuple[float, int]:
     return sum(t for t, _ in ranks.values()) / max(s for _, s in ranks.values()), len(ranks)
 
 
-def last_rate(run_dir: Path) -> float:
+def windows(run_dir: Path) -> dict[str, float]:
+    """Tokens/s of each logged window ('steps 4-6': ...), from the run's metrics.jsonl: a window
+    holding a stall (a rank compiling a new shape, say) shows against the steady ones."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return float(rows[-1]["tokens_per_s"])
+    out, first = {}, 1
+    for row in rows:
+        out[f"steps {first}-{row['step']}"] = round(float(row["tokens_per_s"]))
+        first = row["step"] + 1
+    return out
+
+
+def last_rate(run_dir: Path) -> float:
+    return float(list(windows(run_dir).values())[-1])
 
 
 def prepare(out: Path, small: bool, tokens: int) -> tuple[Path, Path]:
@@ -109,25 +119,26 @@ def extract_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool) -
             "tokens": readers[1].num_tokens, "complete": all(r.complete for r in readers)}
 
 
-def train_args(small: bool, steps: int) -> list[str]:
-    args = ["--max-steps", str(steps), "--log-every", str(max(1, steps // 3)), "--no-progress"]
+def train_args(small: bool, steps: int, log_every: int | None = None) -> list[str]:
+    args = ["--max-steps", str(steps), "--log-every", str(log_every or max(1, steps // 3)), "--no-progress"]
     if small:
         args += ["--device", "cpu", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "16",
                  "--token-budget", "2048"]
     return args
 
 
-def train_stage(out: Path, model_dir: Path, n: int, small: bool, steps: int) -> dict:
+def train_stage(out: Path, model_dir: Path, n: int, small: bool, steps: int, log_every: int | None = None) -> dict:
     """Training from the N-GPU cache in one process against torchrun with N processes (DDP)."""
     if not (out / "cache-n" / "index.parquet").is_file():
         sys.exit(f"no cache at {out / 'cache-n'}: run --stage extract first (same --out)")
-    train = ["train", "--cache", str(out / "cache-n"), "--target", str(model_dir), *train_args(small, steps)]
+    train = ["train", "--cache", str(out / "cache-n"), "--target", str(model_dir), *train_args(small, steps, log_every)]
     for name in ("train-1", "train-n"):
         shutil.rmtree(out / name, ignore_errors=True)
     run(CLI + train + ["--out", str(out / "train-1")], out / "train-1.log")
     run(torchrun(n) + train + ["--out", str(out / "train-n")], out / "train-n.log")
     train_1, train_n = last_rate(out / "train-1"), last_rate(out / "train-n")
-    return {"one_tok_s": train_1, "all_tok_s": train_n, "scaling": train_n / train_1 / n}
+    return {"one_tok_s": train_1, "all_tok_s": train_n, "scaling": train_n / train_1 / n,
+            "windows_tok_s": {"one_gpu": windows(out / "train-1"), "ddp": windows(out / "train-n")}}
 
 
 def live_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool, steps: int) -> dict:
@@ -172,6 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=800_000)
     ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
+    ap.add_argument("--log-every", type=int, default=None, help="train stage: steps per logged window (default: a third)")
     ap.add_argument("--stage", choices=["all", *STAGES], default="all",
                     help="run one stage (later stages reuse --out and --json)")
     add_common_args(ap, "/tmp/dflash-bench-multi")
@@ -191,7 +203,7 @@ def main() -> None:
     if "extract" in stages or not (out / "cache-n" / "index.parquet").is_file():
         results["extract"] = extract_stage(out, model_dir, data, n, args.small)
     if "train" in stages:
-        results["train"] = train_stage(out, model_dir, n, args.small, args.steps)
+        results["train"] = train_stage(out, model_dir, n, args.small, args.steps, args.log_every)
     if "live" in stages:
         results["live"] = live_stage(out, model_dir, data, n, args.small, args.steps)
     report(results)
