@@ -37,6 +37,7 @@ from dflash_cache.train.checkpoint import (
     read_tensors,
     save_checkpoint,
 )
+from dflash_cache.train.compile_cache import keep_compiled_kernels_in
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
 from dflash_cache.train.epoch_plan import Position
@@ -108,6 +109,7 @@ class Trainer:
             if self.compiled else None
         self.static_steps = 0  # steps of this process that ran the static-shape graph
         if self.compiled:
+            keep_compiled_kernels_in(self.out)
             self.model.compile_layers()
         self.profiler.peak_flops = device_peak_flops(device)
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
