@@ -155,6 +155,22 @@ def test_ranks_write_their_own_shares_to_one_url(bucket, small_parquet):
     assert sorted(s for rec in reader.records for s in rec.sample_ids) == list(range(48))
 
 
+def test_two_copies_write_one_url_each_under_its_own_lock(bucket, real_cache):
+    """extract --copy 0/2 creates the cache and writes its share; copy 1, started while copy 0's lock
+    object is held (as if it were still running), is not kept out by it, writes the rest and the
+    index; the result is the local extraction byte for byte."""
+    url = f"s3://{BUCKET}/copies"
+    r = run_cli("extract", *DEMO, "--out", url, "--copy", "0/2")
+    assert r.exit_code == 0 and "to extract as copy 0 of 2" in r.output and "INCOMPLETE" in r.output, r.output
+    with RemoteLock(url, name=f"{LOCK_FILE}-copy0"):
+        r = run_cli("extract", *DEMO, "--out", url, "--copy", "1/2")
+    assert r.exit_code == 0 and "complete: 14/14" in r.output, r.output
+    assert names(bucket, f"{BUCKET}/copies") == ["commits", "index.parquet", "manifest.json", "plan.parquet",
+                                                 "segments", "zarr.json"]
+    assert CacheReader(url).index_problem is None
+    assert_same_cache(bucket, url, real_cache("bf16"))
+
+
 def test_the_lock_refuses_a_second_writer_and_an_expired_one_is_taken_over(bucket):
     url, key = f"s3://{BUCKET}/locked", f"{BUCKET}/locked/{LOCK_FILE}"
     with RemoteLock(url) as held:
