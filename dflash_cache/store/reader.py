@@ -225,12 +225,6 @@ class CacheReader:
     def bytes_on_disk(self) -> int:
         return sum(sum(r.files.values()) for r in self.records)
 
-    def file_problems(self, rec: SegmentRecord) -> list[str]:
-        """Problems with a segment's files (missing, resized, unlisted; locally also outside the
-        root or not regular files); [] if none."""
-        found, problems = self.location.segment_files(rec.name)
-        return problems + listing_problems(rec, found)
-
     def read_parquet(self, name: str, max_bytes: int = 1 << 30) -> pa.Table | None:
         """A Parquet file at the cache root (plan.parquet, index.parquet), None if absent;
         CacheCorruptError naming the file and the fix if it cannot be read."""
@@ -293,14 +287,15 @@ class CacheReader:
         """Every array of a segment as the writer makes it, from its record and the manifest."""
         return segment_layouts(rec, self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size))
 
-    def check_segment(self, rec: SegmentRecord) -> None:
+    def check_segment(self, rec: SegmentRecord, *, check_files: bool = False) -> None:
         """Walk a segment and check its arrays' metadata, once per reader; CacheCorruptError
-        naming the segment and every problem. Threads may race to check: the check is idempotent."""
+        naming the segment and every problem. `check_files` compares its files with the record's
+        list even if the reader skips that. Threads may race to check: the check is idempotent."""
         with self._lock:
             if rec.name in self._checked:
                 return
         found, problems = self.location.segment_files(rec.name)
-        if self._check_segment_files:
+        if self._check_segment_files or check_files:
             problems += listing_problems(rec, found)
         if not problems:
             problems = array_problems(functools.partial(self.location.segment_meta, rec.name), found,

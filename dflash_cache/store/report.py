@@ -138,9 +138,7 @@ def _segment_problems(reader: CacheReader, rec: SegmentRecord, seen: dict[int, s
     """Everything wrong with one committed segment, each problem naming it."""
     m = reader.manifest
     try:
-        file_problems = reader.file_problems(rec)
-        if file_problems:
-            return [f"segment {rec.name}: {'; '.join(file_problems)}"]
+        reader.check_segment(rec, check_files=True)  # one listing: the read below finds it checked
         arrays = reader.read_segment(rec.name)
     except CacheCorruptError as e:
         return [str(e) if rec.name in str(e) else f"segment {rec.name}: {e}"]

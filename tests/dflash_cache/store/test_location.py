@@ -89,6 +89,18 @@ def test_a_segment_on_s3_is_fetched_whole_in_one_round_of_requests(s3, monkeypat
         reader.read_segment(name)
 
 
+def test_verify_lists_each_segment_on_s3_once(s3, monkeypatch):
+    """A listing is a request (LIST) per segment: verify checks a segment's files against its record
+    and then reads it, from one listing."""
+    from dflash_cache.store.location import RemoteCache
+
+    listed = []
+    segment_files = RemoteCache.segment_files
+    monkeypatch.setattr(RemoteCache, "segment_files", lambda self, name: listed.append(name) or segment_files(self, name))
+    reader = CacheReader(f"s3://{BUCKET}/demo")
+    assert verify(reader) == [] and sorted(listed) == sorted(r.name for r in reader.records)
+
+
 def test_inspect_and_train_from_s3(s3, tmp_path):
     """The CLI takes the URL where it takes a directory: inspect --verify is clean, --repair is
     refused (read-only), and training reads it to the same losses as from the local copy."""

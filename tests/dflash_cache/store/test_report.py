@@ -106,7 +106,7 @@ def test_verify_names_damaged_segment(cache_copy, damage):
     problems = verify(CacheReader(root))
     assert len(problems) == 1 and name in problems[0], problems
     if damage == "delete_shard":
-        assert problems[0] == f"segment {name}: features/c/0/0 is missing"
+        assert problems[0] == f"segment {name} is damaged: features/c/0/0 is missing"
     res = run_inspect(root, "--verify")
     assert res.exit_code == 1
     assert "verify: 1 problem(s)" in res.output and f"segment {name}" in res.output
