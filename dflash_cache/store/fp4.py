@@ -19,9 +19,12 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
 * with ``sign_xor``, ``codes`` hold each layer's sign bit XOR the previous layer's at the same
   channel (`xor_layer_signs`; lossless, the dequantised values are the same bits).
 
-Quantisation: outlier positions are zeroed in the body; ``s = amax(group) / 6`` rounded to the
-scale format (nearest); ``code = rne_e2m1(clamp(x / s, -6, 6))``. Dequantisation:
-``bf16(E2M1[code] * s)``, then the outliers are written back bit for bit.
+Quantisation: outlier positions are zeroed in the body; ``s = amax(group) * fl(1/6)`` rounded to
+the scale format (nearest; e4m3 relative to a power-of-two row scale); ``code = rne_e2m1(clamp(x /
+s, -6, 6))``, decided by comparing |x| with the midpoints times s, so no division is involved and
+every backend (eager, or compiled to Triton, whose float32 division is approximate) makes the
+same codes. Dequantisation: ``bf16(E2M1[code] * s)``, then the outliers are written back bit for
+bit.
 
 Error bound (per element, enforced by the tests), outlier elements exact:
 
@@ -46,6 +49,7 @@ brings it to ~10,100.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,7 +81,7 @@ SCALE_FORMATS = ("e4m3", "bf16")
 
 FP4_RELATIVE_ERROR_BOUND: float = 0.25 + 2.0**-7
 FP4_GROUP_ERROR_BOUND: float = 0.25 / E2M1_MAX * (1.0 + 2.0**-3)
-FP4_ROW_ERROR_BOUND: float = 2.0**-8 / E4M3_MAX
+FP4_ROW_ERROR_BOUND: float = 2.0**-7 / E4M3_MAX  # the row scale, a power of two, is up to 2x the least
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,16 +155,28 @@ def _grid(device: torch.device) -> torch.Tensor:
     return torch.cat([g, -g])
 
 
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """float32 in [-6, 6] -> uint8 e2m1 codes, round to nearest, ties to the even code."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=y.device)
-    mids = (grid[1:] + grid[:-1]) / 2
-    a = y.abs()
-    low = torch.bucketize(a, mids, right=False)  # a tie goes to the lower code
-    high = torch.bucketize(a, mids, right=True)  # a tie goes to the upper code
-    idx = torch.where(low != high, low + (low & 1), low)
-    sign = (y < 0) | ((y == 0) & torch.signbit(y))
-    return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8)
+E2M1_MIDPOINTS = tuple((lo + hi) / 2 for lo, hi in itertools.pairwise(E2M1_GRID))
+
+
+def _e2m1_codes(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float32 `x` and its scale `s` (broadcast; 0 = the group is stored as zeros) -> uint8 e2m1
+    codes of x / s, rounded to nearest, ties to the even code, |x / s| > 6 to 6.
+
+    Without a division: the magnitude index counts the midpoints m with m * s < |x| (a tie,
+    |x| == m * s, goes up when that makes the index even). Products and comparisons are exactly
+    rounded on every backend, where float32 division is not (Triton's is approximate), so eager
+    and compiled code make the same codes. One pass per midpoint keeps eager memory at a byte per
+    element."""
+    a = x.abs()
+    idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(E2M1_MIDPOINTS):
+        threshold = s * mid  # exact: mid has 3 significant bits
+        idx += (a > threshold).to(torch.uint8)
+        if i % 2:  # a tie between codes i and i + 1 goes to the even one, i + 1
+            idx += (a == threshold).to(torch.uint8)
+    sign = (x < 0) | ((x == 0) & torch.signbit(x))
+    codes = idx | (sign.to(torch.uint8) << 3)
+    return torch.where(s > 0, codes, torch.zeros_like(codes))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -210,15 +226,35 @@ def _outliers(xf: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _group_scales(amax: torch.Tensor, cfg: Fp4Config) -> dict[str, torch.Tensor]:
-    """Group amax float32 [T, L, n] -> stored scale arrays (and 'decoded': float32 [T, L, n])."""
-    s = amax / torch.full_like(amax, E2M1_MAX)
+    """Group amax float32 [T, L, n] -> stored scale arrays (and 'decoded': float32 [T, L, n]).
+
+    No division (see `_e2m1_codes`): s = amax * fl(1/6), and the row scale is a power of two, the
+    smallest with s / row <= 448 for every group of the row, so s / row is a multiplication by a
+    power of two, exact."""
+    s = amax * _ONE_SIXTH
     if cfg.scale_format == "bf16":
         sb = s.to(torch.bfloat16)
         return {"scales": sb.view(torch.int16), "decoded": sb.float()}
-    row = amax.amax(dim=-1) / torch.full_like(amax[..., 0], E2M1_MAX * E4M3_MAX)
-    row = torch.where(row > 0, row, torch.ones_like(row))
-    s8 = (s / row.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    row, inverse = _row_scales(amax.amax(dim=-1))
+    s8 = (s * inverse.unsqueeze(-1)).to(torch.float8_e4m3fn)
     return {"scales": s8.view(torch.uint8), "row_scales": row, "decoded": s8.float() * row.unsqueeze(-1)}
+
+
+_ONE_SIXTH = 1.0 / E2M1_MAX
+# 6 * 448 = 2688 = 1.3125 * 2**11: amax / 2688 <= 2**(E - 11) iff amax's mantissa is <= 1.3125.
+_ROW_MANTISSA = int(0.3125 * 2**23)
+_ROW_EXPONENT_SHIFT = 11
+
+
+def _row_scales(amax_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2**k, 2**-k) float32 with 2**k the smallest power of two >= amax_row / (6 * 448) (1 for an
+    all-zero row), built from amax_row's exponent and mantissa bits: integer operations, exact
+    everywhere."""
+    bits = amax_row.contiguous().view(torch.int32)
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    biased = exponent - _ROW_EXPONENT_SHIFT + (mantissa > _ROW_MANTISSA).to(torch.int32)
+    biased = torch.where(amax_row > 0, biased.clamp(1, 253), torch.full_like(biased, 127))
+    return (biased << 23).view(torch.float32), ((254 - biased) << 23).view(torch.float32)
 
 
 def _decoded_scales(arrays: dict[str, torch.Tensor], t: int, n_layers: int, cfg: Fp4Config) -> torch.Tensor:
@@ -242,11 +278,7 @@ def quantize_fp4(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> dict[str, to
         out["outlier_val"] = val.to(torch.bfloat16).view(torch.int16).reshape(t, -1)
     groups = xf.reshape(t, n_layers, h // cfg.group_size, cfg.group_size)
     sc = _group_scales(groups.abs().amax(dim=-1), cfg)
-    s = sc.pop("decoded").unsqueeze(-1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    y = (groups / safe).clamp(-E2M1_MAX, E2M1_MAX)
-    y = torch.where(s > 0, y, torch.zeros_like(y))
-    codes = _e2m1_codes(y).reshape(t, n_layers, h)
+    codes = _e2m1_codes(groups, sc.pop("decoded").unsqueeze(-1)).reshape(t, n_layers, h)
     if cfg.sign_xor:
         codes = xor_layer_signs(codes)
     out[cfg.codes_key] = pack_nibbles(codes.reshape(t, n_layers * h))

@@ -59,10 +59,25 @@ def test_e2m1_grid_roundtrips_exactly(scale_format: str) -> None:
     assert torch.equal(_roundtrip(x, 1, cfg).view(torch.int16), x.view(torch.int16))
 
 
-def test_ties_round_to_even_code() -> None:
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0])
-    got = fp4._grid(torch.device("cpu"))[fp4._e2m1_codes(mids).long()]
-    assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -4.0]
+@pytest.mark.parametrize("scale", [1.0, 0.375, 2.0**-20])
+def test_ties_round_to_even_code_and_beyond_6_to_6(scale: float) -> None:
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -5.0, 7.0, -100.0, -0.0, 0.0]) * scale
+    codes = fp4._e2m1_codes(x, torch.tensor(scale))
+    got = fp4._grid(torch.device("cpu"))[codes.long()]
+    assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -4.0, 6.0, -6.0, -0.0, 0.0]
+    assert codes[-2] == 8 and codes[-1] == 0  # the sign of zero is kept
+    assert not fp4._e2m1_codes(x, torch.tensor(0.0)).any()  # a zero scale stores zeros
+
+
+def test_row_scales_are_the_least_power_of_two_that_keeps_scales_in_e4m3() -> None:
+    amax = torch.tensor([2688.0, 2688.5, 1.0, 3.0e-30, 0.0, 6e4])
+    row, inverse = fp4._row_scales(amax)
+    assert torch.equal(row * inverse, torch.ones_like(row))
+    assert row.tolist()[:2] == [1.0, 2.0] and row[4] == 1.0
+    k = torch.log2(row[[0, 1, 2, 3, 5]])
+    assert torch.equal(k, k.round())  # powers of two
+    lo = amax[[0, 1, 2, 3, 5]] / (fp4.E2M1_MAX * fp4.E4M3_MAX)
+    assert bool((row[[0, 1, 2, 3, 5]] >= lo).all() and (row[[0, 1, 2, 3, 5]] / 2 < lo).all())
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
