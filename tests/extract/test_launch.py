@@ -146,25 +146,25 @@ def _tiny_split_in_two(*, device: torch.device, echo: Callable[[str], None]) -> 
         dist.destroy_process_group()
 
 
-def test_two_copies_of_a_target_split_over_two_ranks_extract_what_one_process_does(small_parquet, tmp_path):
+def test_two_copies_of_a_target_one_split_over_two_ranks_extract_what_one_process_does(small_parquet, tmp_path):
     """--gpus-per-target 2: both ranks hold half of every weight matrix (transformers' tp_plan, over
-    gloo here) and run every batch of their copy's share; each copy's rank 0 writes. --copy 0/2,
-    then 1/2 (as two torchruns would, one after the other here): copy 0 leaves exactly its share,
-    copy 1 the rest. Same samples as a one-process cache, features equal but for rounding (the
-    partial sums meet in another order; float32 compute, bf16 stored), verify clean."""
+    gloo here) and run every batch of their copy's share; rank 0 writes. --copy 0/2 so split, then
+    1/2 in one process (copies need not be alike): copy 0 leaves exactly its share, copy 1 the
+    rest. Same samples as a one-process cache, features equal but for rounding (the partial sums
+    meet in another order; float32 compute, bf16 stored), verify clean."""
     single, split = tmp_path / "single", tmp_path / "split"
     fp32 = TargetSpec(model="tiny", dtype="float32")
     run.extract_on(extract_config(small_parquet, single, target=fp32), [torch.device("cpu")], echo=lambda _: None)
     said = []
-    for k in (0, 1):
-        cfg = extract_config(small_parquet, split, target=fp32, gpus_per_target=2, copy=f"{k}/2")
-        run.extract_on(cfg, TWO_CPUS, echo=said.append)
-        if k == 0:
-            share = cfg.copy_share.names(read_plan(split, read_manifest(split)))
-            assert {r.name for r in read_records(split)} == share and 0 < len(share) < 9
-            assert said[-1].startswith(f"INCOMPLETE: {len(share)}/9 segments")
+    first = extract_config(small_parquet, split, target=fp32, gpus_per_target=2, copy="0/2")
+    run.extract_on(first, TWO_CPUS, echo=said.append)
+    share = first.copy_share.names(read_plan(split, read_manifest(split)))
+    assert {r.name for r in read_records(split)} == share and 0 < len(share) < 9
+    assert said[-1].startswith(f"INCOMPLETE: {len(share)}/9 segments")
+    run.extract_on(extract_config(small_parquet, split, target=fp32, copy="1/2"), [torch.device("cpu")],
+                   echo=said.append)
     assert f"0 of 9 segments already committed; {len(share)} to extract as copy 0 of 2 on 2 ranks" in said
-    assert f"{len(share)} of 9 segments already committed; {9 - len(share)} to extract as copy 1 of 2 on 2 ranks" in said
+    assert f"{len(share)} of 9 segments already committed; {9 - len(share)} to extract as copy 1 of 2" in said
     assert said[-1].startswith("complete: 9/9 segments")
     assert {r.rank for r in read_records(split)} == {0}
     shards = []

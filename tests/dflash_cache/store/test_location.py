@@ -32,7 +32,14 @@ def s3(s3_server, real_cache):
     return fs, local
 
 
-def test_a_cache_on_s3_reads_as_the_local_one(s3):
+def test_a_cache_on_s3_reads_as_the_local_one(s3, monkeypatch):
+    """Summary, samples and verify as on disk; verify lists each segment once (a listing is a LIST
+    request per segment: the file check and the read share it)."""
+    from dflash_cache.store.location import RemoteCache
+
+    listed = []
+    segment_files = RemoteCache.segment_files
+    monkeypatch.setattr(RemoteCache, "segment_files", lambda self, name: listed.append(name) or segment_files(self, name))
     fs, local = s3
     remote, here = CacheReader(f"s3://{BUCKET}/demo"), CacheReader(local)
     assert remote.root is None and str(remote.location) == f"s3://{BUCKET}/demo"
@@ -42,7 +49,9 @@ def test_a_cache_on_s3_reads_as_the_local_one(s3):
     for sid in (0, 40, 100):
         x, y = remote.sample(sid), here.sample(sid)
         assert torch.equal(x.features, y.features) and (x.input_ids == y.input_ids).all()
-    assert remote.index_problem is None and verify(remote) == []
+    listed.clear()
+    assert remote.index_problem is None and verify(CacheReader(f"s3://{BUCKET}/demo")) == []
+    assert sorted(listed) == sorted(r.name for r in remote.records)
 
 
 def test_damage_on_s3_is_found_and_named(s3):
@@ -87,18 +96,6 @@ def test_a_segment_on_s3_is_fetched_whole_in_one_round_of_requests(s3, monkeypat
     reader = CacheReader(f"s3://{BUCKET}/grown", check_segment_files=False)
     with pytest.raises(CacheCorruptError, match=f"segment {name}: input_ids/c/0 is .* its record says"):
         reader.read_segment(name)
-
-
-def test_verify_lists_each_segment_on_s3_once(s3, monkeypatch):
-    """A listing is a request (LIST) per segment: verify checks a segment's files against its record
-    and then reads it, from one listing."""
-    from dflash_cache.store.location import RemoteCache
-
-    listed = []
-    segment_files = RemoteCache.segment_files
-    monkeypatch.setattr(RemoteCache, "segment_files", lambda self, name: listed.append(name) or segment_files(self, name))
-    reader = CacheReader(f"s3://{BUCKET}/demo")
-    assert verify(reader) == [] and sorted(listed) == sorted(r.name for r in reader.records)
 
 
 def test_inspect_and_train_from_s3(s3, tmp_path):
