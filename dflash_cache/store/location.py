@@ -15,8 +15,10 @@ read them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,8 +97,10 @@ class LocalCache:
     def segment_files(self, name: str) -> tuple[Found, list[str]]:
         return segment_files(self.root, name)
 
-    def segment_meta(self, name: str, rel: str) -> Any:
-        return read_json(segment_dir(self.root, name) / rel, max_bytes=MAX_ARRAY_META_BYTES)
+    def segment_metas(self, name: str, sizes: dict[str, int | None]) -> Callable[[str], Any]:
+        """A reader of the segment's JSON files `sizes` names (each read when asked: a local read
+        costs no round trip)."""
+        return lambda rel: read_json(segment_dir(self.root, name) / rel, max_bytes=MAX_ARRAY_META_BYTES)
 
     def zarr_store(self, name: str) -> LocalStore:
         return LocalStore(segment_dir(self.root, name), read_only=True)
@@ -124,6 +128,9 @@ class RemoteCache:
     def _key(self, rel: str) -> str:
         return f"{self.path}/{rel}"
 
+    def _key_in(self, folder: str, rel: str) -> str:
+        return self._key(f"{folder}/{rel}")
+
     def _read(self, rel: str, max_bytes: int) -> bytes:
         size = self.fs.size(self._key(rel))
         if size is not None and size > max_bytes:
@@ -135,6 +142,26 @@ class RemoteCache:
             return json.loads(self._read(rel, max_bytes))
         except RecursionError:
             raise ValueError(f"{rel} is nested too deeply to be a valid record") from None
+
+    def _json_files(self, keys: dict[str, int | None], max_bytes: int) -> Callable[[str], Any]:
+        """JSON objects fetched all at once by concurrent requests, those over `max_bytes` (as the
+        listing's size says) left out; `keys` maps each key to its size. The loader returned parses
+        one by key, raising ValueError (too big, not JSON) or OSError (its request failed)."""
+        wanted = [k for k, size in keys.items() if (size or 0) <= max_bytes]
+        fetched = self.fs.cat(wanted, on_error="return") if wanted else {}
+
+        def load(key: str) -> Any:
+            if (keys[key] or 0) > max_bytes:
+                raise ValueError(f"{keys[key]} bytes, more than the {max_bytes} it may hold")
+            data = fetched.get(key)
+            if data is None or isinstance(data, BaseException):
+                raise OSError(str(data) if data is not None else "missing")
+            try:
+                return json.loads(data)
+            except RecursionError:
+                raise ValueError("nested too deeply to be valid") from None
+
+        return load
 
     def exists(self) -> bool:
         return self.fs.exists(self._key(MANIFEST_FILE)) or self.fs.isdir(self.path)
@@ -156,22 +183,9 @@ class RemoteCache:
         except FileNotFoundError:
             return []
         sizes = {entry["name"].rsplit("/", 1)[-1]: entry.get("size") for entry in listing}
-        wanted = [self._key(f"{COMMITS_DIR}/{n}") for n, size in sizes.items()
-                  if n.endswith(".json") and (size or 0) <= MAX_RECORD_BYTES]
-        fetched = {k.rsplit("/", 1)[-1]: v for k, v in self.fs.cat(wanted, on_error="return").items()} if wanted else {}
-
-        def load(name: str) -> Any:
-            if (sizes[name] or 0) > MAX_RECORD_BYTES:
-                raise ValueError(f"{sizes[name]} bytes, more than the {MAX_RECORD_BYTES} a record may hold")
-            data = fetched[name]
-            if isinstance(data, Exception):
-                raise OSError(str(data))
-            try:
-                return json.loads(data)
-            except RecursionError:
-                raise ValueError("nested too deeply to be a valid record") from None
-
-        return records_from(sizes, load)
+        key = functools.partial(self._key_in, COMMITS_DIR)
+        load = self._json_files({key(n): size for n, size in sizes.items() if n.endswith(".json")}, MAX_RECORD_BYTES)
+        return records_from(sizes, lambda name: load(key(name)))
 
     def size(self, name: str) -> int | None:
         try:
@@ -198,8 +212,12 @@ class RemoteCache:
             return found, [f"more than {MAX_SEGMENT_FILES} files"]
         return found, []
 
-    def segment_meta(self, name: str, rel: str) -> Any:
-        return self._json(f"{SEGMENTS_DIR}/{name}/{rel}", MAX_ARRAY_META_BYTES)
+    def segment_metas(self, name: str, sizes: dict[str, int | None]) -> Callable[[str], Any]:
+        """A reader of the segment's JSON files `sizes` names (rel -> size from its listing), all
+        fetched at once by concurrent requests: one round trip per segment, not two per array."""
+        key = functools.partial(self._key_in, f"{SEGMENTS_DIR}/{name}")
+        load = self._json_files({key(rel): size for rel, size in sizes.items()}, MAX_ARRAY_META_BYTES)
+        return lambda rel: load(key(rel))
 
     def fetch_segment(self, name: str, files: dict[str, int]) -> dict[str, bytes]:
         """Every file a segment's record lists, fetched by concurrent requests (one round trip's

@@ -13,7 +13,6 @@ segments are guarded by a lock.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import threading
@@ -298,8 +297,9 @@ class CacheReader:
         if self._check_segment_files or check_files:
             problems += listing_problems(rec, found)
         if not problems:
-            problems = array_problems(functools.partial(self.location.segment_meta, rec.name), found,
-                                      self.layouts(rec))
+            layouts = self.layouts(rec)
+            metas = {rel: found[rel] for rel in (f"{key}/zarr.json" for key in layouts) if rel in found}
+            problems = array_problems(self.location.segment_metas(rec.name, metas), found, layouts)
         if problems:
             raise CacheCorruptError(f"segment {rec.name} is damaged: {'; '.join(problems)}")
         with self._lock:

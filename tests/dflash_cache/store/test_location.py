@@ -74,8 +74,8 @@ def test_damage_on_s3_is_found_and_named(s3):
 
 
 def test_a_segment_on_s3_is_fetched_whole_in_one_round_of_requests(s3, monkeypatch):
-    """read_segment (what phase 2's prefetch calls) fetches every object the record lists in one
-    concurrent `cat`, and never reads through zarr's per-chunk store; the arrays equal the local
+    """read_segment (what phase 2's prefetch calls) fetches the arrays' metadata and then every object
+    the record lists, each in one concurrent `cat`, and never reads through zarr's per-chunk store; the arrays equal the local
     read. An object of another size than the record says is named."""
     from dflash_cache.store.location import RemoteCache
 
@@ -86,6 +86,8 @@ def test_a_segment_on_s3_is_fetched_whole_in_one_round_of_requests(s3, monkeypat
     fetch = RemoteCache.fetch_segment
     monkeypatch.setattr(RemoteCache, "fetch_segment", lambda self, *a: calls.append(a[0]) or fetch(self, *a))
     monkeypatch.setattr(RemoteCache, "zarr_store", lambda self, name: pytest.fail("read through zarr's store"))
+    # nor one object at a time (a size request, then a read), as the arrays' metadata once was
+    monkeypatch.setattr(RemoteCache, "_read", lambda self, *a: pytest.fail("a sequential single-object read"))
     got, want = remote.read_segment(name), here.read_segment(name)
     assert calls == [name] and got.keys() == want.keys()
     assert all((got[k] == want[k]).all() for k in want)
