@@ -40,6 +40,8 @@ _VERSION = "chat-mask-v1"  # bump when the mask rule changes: it is part of the 
 _ROW_TYPE = pa.list_(pa.int32())
 _MASK_TYPE = pa.list_(pa.uint8())
 
+TEMPLATE_ERRORS = (TemplateError, ValueError, TypeError, KeyError)  # a row's (or the template's) fault
+
 
 class Dropped(Exception):
     """A conversation that yields no training row; the message says why."""
@@ -111,7 +113,7 @@ class ChatEncoder:
         try:
             full = self.render(msgs)
             spans = [self._span(full, msgs, i) for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the row's (or the template's) fault
+        except TEMPLATE_ERRORS as exc:
             raise Dropped(f"the chat template failed: {one_line(exc)}") from exc
         spans = [s for s in spans if s[1] > s[0]]
         if not spans:

@@ -33,7 +33,14 @@ import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import UserError
-from dflash_cache.extract.chat import MESSAGES, ChatEncoder, ChatSpec, Dropped, clean_messages
+from dflash_cache.extract.chat import (
+    MESSAGES,
+    TEMPLATE_ERRORS,
+    ChatEncoder,
+    ChatSpec,
+    Dropped,
+    clean_messages,
+)
 from dflash_cache.extract.dataset import hash_source_files
 from dflash_cache.extract.dataset_formats import open_source
 from dflash_cache.extract.generation import cut_at_stop, greedy_complete
@@ -199,11 +206,20 @@ def regenerate_batch(model: torch.nn.Module, encoder: ChatEncoder, conversations
             convs.append(None)
     turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] if c else [] for c in convs]
     for k in range(max((len(t) for t in turns), default=0)):
-        todo = [(r, t[k]) for r, t in enumerate(turns) if len(t) > k]
-        prompts = []
-        for r, i in todo:
-            text = encoder.render(convs[r][:i], generation_prompt=True)
+        todo, prompts = [], []
+        for r, t in enumerate(turns):
+            if len(t) <= k or convs[r] is None:
+                continue
+            try:
+                text = encoder.render(convs[r][:t[k]], generation_prompt=True)
+            except TEMPLATE_ERRORS as exc:  # the row is dropped, as extract drops it
+                log.debug("row dropped: the chat template failed: %s", exc)
+                convs[r] = None
+                continue
+            todo.append((r, t[k]))
             prompts.append(encoder.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not todo:
+            continue
         completions = greedy_complete(model, prompts, max_new_tokens, pad_id=pad_id, stop_ids=stops)
         for (r, i), completion in zip(todo, completions, strict=True):
             reply = cut_at_stop(completion, stops, keep_stop=False)

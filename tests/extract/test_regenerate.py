@@ -127,3 +127,24 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path, monkeypatch):
     assert len(calls) == 1 + 1 + 2 + 1 + 1, "rows 1..5 only, one call per assistant turn (row 0 had 2)"
     assert out.read_text() == (tmp_path / "straight.jsonl").read_text()
     assert not (tmp_path / "out.jsonl.parts").exists()
+
+
+def test_a_row_the_chat_template_refuses_is_dropped_not_a_crash(tmp_path):
+    """A template that raises on one row (as templates do on roles out of order) drops that row, as
+    extract does, and the others are regenerated."""
+    import torch
+
+    from dflash_cache.extract.tiny import TINY_DIR
+
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if 'REFUSE' in m['content'] %}{{ raise_exception('refused') }}"
+                        "{% endif %}{% endfor %}" + (TINY_DIR / "chat_template.jinja").read_text())
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+           {"role": "user", "content": "REFUSE this"}, {"role": "assistant", "content": "b"}]
+    data = write_jsonl(tmp_path / "chat.jsonl", [CHATS[0], bad])
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(tmp_path / "out.jsonl"), chat_template=str(template),
+                           max_new_tokens=4, dtype="float32", progress=False)
+    with one_torch_thread():
+        report = regenerate(cfg, torch.device("cpu"))
+    assert (report.rows, report.dropped) == (1, 1)
+    assert report.turns == sum(m["role"] == "assistant" for m in CHATS[0]) + 1  # the bad row's first turn ran
