@@ -141,8 +141,6 @@ def open_or_create(job: Job) -> set[str]:
     names. Hold the lock. A copy (`--copy K/C`) tidies only its own share's leftovers, and copies
     other than 0 only reopen the cache copy 0 created."""
     share = job.config.copy_share
-    if share is None:
-        return writer.open_or_create(job.root, job.manifest, job.plan, overwrite=job.config.overwrite)
     return writer.open_or_create(job.root, job.manifest, job.plan, overwrite=job.config.overwrite,
-                                 owned=share.names(job.plan).__contains__,
-                                 created_by=None if share.index == 0 else f"--copy 0/{share.count}")
+                                 owned=None if share is None else share.names(job.plan).__contains__,
+                                 created_by=None if share is None or share.index == 0 else f"--copy 0/{share.count}")

@@ -8,8 +8,8 @@ compresses each array. Every chain ends with a CRC32C so a flipped byte raises o
 * ``none``: raw bf16 bits, checksummed only.
 * ``bf16``: lossless; byte shuffle + zstd-1 through Blosc (bf16 exponents compress, mantissas don't).
 * ``fp8``: e4m3 with one float32 scale per token per layer (see `dflash_cache.store.fp8`), then zstd.
-* ``fp4``: e2m1 codes with an e4m3 scale per 32 elements (relative to a float32 per token per
-  layer) and each layer's 8 largest-|x| channels per token kept in bf16 (`FP4_LAYOUT`, see
+* ``fp4``: e2m1 codes with an e4m3 scale per 32 elements (relative to a power of two per token
+  per layer) and each layer's 8 largest-|x| channels per token kept in bf16 (`FP4_LAYOUT`, see
   `dflash_cache.store.fp4`): about half a byte per value, a quarter of `bf16`.
 """
 

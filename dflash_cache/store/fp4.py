@@ -11,7 +11,7 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
 * ``codes``  uint8 ``[T, L*H/2]``: e2m1 codes (sign << 3 | magnitude index), element ``2i`` in the
   low nibble and element ``2i+1`` in the high nibble of byte ``i``.
 * ``scales`` one per group ``[T, L*H/G]``: ``e4m3`` (uint8) relative to ``row_scales`` float32
-  ``[T, L]`` (NVFP4's two levels: e4m3 alone cannot reach massive-activation magnitudes), or
+  ``[T, L]``, each a power of two (NVFP4's two levels: e4m3 alone cannot reach massive-activation magnitudes), or
   ``bf16`` bits (uint16), which needs no second level.
 * with ``outliers = k > 0``: ``outlier_idx`` int16 ``[T, L*k]`` (channel within its layer) and
   ``outlier_val`` bf16 bits ``[T, L*k]``. Indices are per token; massive-activation channels are
