@@ -139,10 +139,10 @@ class Fp4Codec(FeatureCodec):
         return None if top < hidden_size else f"outlier channel {top} is outside the hidden size {hidden_size}"
 
     def encode(self, features: torch.Tensor, n_layers: int) -> dict[str, torch.Tensor]:
-        from dflash_cache.store.fp4 import FP4_LAYOUT, quantize_fp4
+        from dflash_cache.store.fp4 import quantize_fp4_layout
 
         _check_bf16(features)
-        return quantize_fp4(features, n_layers, FP4_LAYOUT)
+        return quantize_fp4_layout(features, n_layers)
 
     def decode(self, arrays: dict[str, torch.Tensor], n_layers: int) -> torch.Tensor:
         from dflash_cache.store.fp4 import FP4_LAYOUT, dequantize_fp4

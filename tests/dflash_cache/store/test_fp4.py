@@ -208,3 +208,18 @@ def test_rejects_non_bf16() -> None:
     with pytest.raises(ValueError):
         fp4.quantize_fp4(torch.zeros(1, 64), 1, Fp4Config())
     assert np.dtype(np.uint8) == fp4.fp4_arrays(Fp4Config(), 1, 64)["codes"].dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_quantisation_on_the_gpu_stores_what_eager_does() -> None:
+    """What `--codec fp4` runs on a GPU (compiled, dynamic shapes) stores the very arrays of the
+    eager reference, for batches of several sizes, and decodes within the error bound."""
+    n_layers, h = 5, 512
+    for t in (1, 37, 3000):
+        x = _heavy(t, n_layers, h).cuda()
+        got, want = fp4.quantize_fp4_layout(x, n_layers), fp4.quantize_fp4(x, n_layers, FP4_LAYOUT)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (t, k)
+        err = (fp4.dequantize_fp4(got, n_layers, FP4_LAYOUT).float() - x.float()).abs()
+        assert bool((err <= fp4.fp4_error_bound(x, n_layers, FP4_LAYOUT) + 1e-12).all())
