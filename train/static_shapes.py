@@ -19,10 +19,13 @@ and changes no result: padded rows belong to no document, so the mask hides them
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
 
 ROW_QUANTUM = 128  # FlexAttention's block size: full blocks need no bounds checks
 NO_DOCUMENT = -1   # a padded context row's document: real documents are >= 0
@@ -79,4 +82,29 @@ class Context:
                        docs=F.pad(self.docs, (0, extra), value=NO_DOCUMENT))
 
 
-__all__ = ["MAX_STATIC_SHAPES", "NO_DOCUMENT", "ROW_QUANTUM", "Context", "StaticShape"]
+WARM_UP_ANCHORS = 1 << 20  # per document and per batch in the warm-up: every candidate is an anchor
+
+
+def warm_up_batches(*, block_size: int, width: int, device: torch.device) -> list[PackedBatch]:
+    """Two made-up batches for compiling the dynamic-shape graph (`Trainer.warm_up`): two fully
+    supervised documents each, zero features. Sampled with WARM_UP_ANCHORS, their token counts
+    (10B + 75 + 300k) and anchor counts (8B + 77 + 300k) are odd and differ between the two, and
+    no two sizes of one batch coincide (tokens, queries, keys, and their counts of FlexAttention
+    blocks): dynamo then makes every size symbolic and ties none to another (a size equal to
+    another at the first compile is assumed always equal, and the first batch where it is not
+    compiles again)."""
+    batches = []
+    for k in range(2):
+        lengths = [5 * block_size + 37 + 150 * k, 5 * block_size + 38 + 150 * k]
+        total = sum(lengths)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+        batch = PackedBatch(input_ids=torch.zeros(total, dtype=torch.int64),
+                            loss_mask=torch.ones(total, dtype=torch.bool),
+                            position_ids=positions_from_cu_seqlens(cu, total), cu_seqlens=cu,
+                            sample_ids=torch.arange(len(lengths)),
+                            features=torch.zeros(total, width, dtype=torch.bfloat16))
+        batches.append(batch.to(device))
+    return batches
+
+
+__all__ = ["MAX_STATIC_SHAPES", "NO_DOCUMENT", "ROW_QUANTUM", "Context", "StaticShape", "WARM_UP_ANCHORS", "warm_up_batches"]

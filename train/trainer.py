@@ -14,9 +14,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -25,7 +26,7 @@ from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
-from dflash_cache.train.anchors import sample_anchors
+from dflash_cache.train.anchors import Blocks, sample_anchors
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.checkpoint import (
     TrainerState,
@@ -50,10 +51,11 @@ from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
 from dflash_cache.train.optim import adamw, warmup_cosine
 from dflash_cache.train.run_config import TrainConfig
-from dflash_cache.train.static_shapes import Context, StaticShape
+from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticShape, warm_up_batches
 
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
+T = TypeVar("T")
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -89,8 +91,11 @@ class Trainer:
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
-        # DDP wraps the forward/backward; checkpoints and export use the bare module.
-        self.net = torch.nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
+        # DDP wraps the forward/backward; checkpoints and export use the bare module. Gradients live
+        # in DDP's buckets rather than beside them: no second gradient-sized copy for the memory
+        # model (which counts one) to miss.
+        self.net = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=True) \
+            if world > 1 else self.model
         self.optimizer = adamw(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
         self.profiler = profiler or StageProfiler(None)
         per_epoch = self.source.batches_per_epoch()
@@ -208,17 +213,35 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------
     def train_step(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        cfg, dcfg = self.cfg, self.drafter_cfg
+        cfg = self.cfg
         with self.profiler.span("dflash.anchors"):
             blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                                    max_anchors=self.max_anchors,
-                                    mask_token_id=dcfg.mask_token_id, generator=self.generator)
-        # Device stages are timed on the device: the host runs ahead of the GPU, so host time would
-        # land on whichever stage happens to wait for a free launch slot.
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+                                    max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
+                                    generator=self.generator)
         static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
         self.static_steps += static
-        with self.profiler.device_span("dflash.create_block_mask", stream):
+        loss, correct = self._forward_backward(batch, blocks, static=static, net=self.net, profiler=self.profiler)
+        with self.profiler.device_span("optimizer.step", self._stream()):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if blocks.prefix_keys is not None:
+            self.profiler.add_flops(step_flops(self.drafter_cfg, context_tokens=batch.num_tokens,
+                                               num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys).total)
+        valid = blocks.weights[:, 1:] > 0
+        return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        # Device stages are timed on the device: the host runs ahead of the GPU, so host time would
+        # land on whichever stage happens to wait for a free launch slot.
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def _forward_backward(self, batch: PackedBatch, blocks: Blocks, *, static: bool, net: torch.nn.Module,
+                          profiler: StageProfiler) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks, drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)])."""
+        dcfg, stream = self.drafter_cfg, self._stream()
+        with profiler.device_span("dflash.create_block_mask", stream):
             ctx_doc, ctx_pos = context_doc_pos(batch)
             context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
             if static:
@@ -227,38 +250,50 @@ class Trainer:
                                 sliding_window=dcfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with self.profiler.device_span("drafter.forward", stream), autocast:
+        with profiler.device_span("drafter.forward", stream), autocast:
             features = context.features if self.device.type == "cuda" else context.features.float()
             embeds = self.head.embed(blocks.input_ids.reshape(-1))
-            hidden = self.net(features, context.positions, embeds, blocks.position_ids.reshape(-1), masks,
-                              static=static)
-        with self.profiler.device_span("dflash.chunked_loss", stream):
+            hidden = net(features, context.positions, embeds, blocks.position_ids.reshape(-1), masks, static=static)
+        with profiler.device_span("dflash.chunked_loss", stream):
             # Slot 0 (the given anchor token) has weight 0: its rows are left out of the LM head.
-            a, b = blocks.num_anchors, cfg.block_size
+            a, b = blocks.num_anchors, self.cfg.block_size
             h = hidden.shape[-1]
             scored = hidden.view(a, b, h)[:, 1:].reshape(a * (b - 1), h)  # explicit sizes: a may be 0
-            weights = blocks.weights[:, 1:]
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
-                                                weights.reshape(-1), chunk_size=cfg.loss_chunk,
+                                                blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
                                                 compiled=self.compiled)
-        with self.profiler.device_span("drafter.backward", stream):
+        with profiler.device_span("drafter.backward", stream):
             loss.backward()
-        with self.profiler.device_span("optimizer.step", stream):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        if blocks.prefix_keys is not None:
-            self.profiler.add_flops(step_flops(dcfg, context_tokens=batch.num_tokens, num_blocks=a,
-                                               prefix_keys=blocks.prefix_keys).total)
-        valid = weights > 0
-        return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
+        return loss, correct
 
-    def _step_or_explain(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        """`train_step`, with a compiler that cannot build kernels on this machine (no C compiler, a
+    def warm_up(self) -> float:
+        """Compile the dynamic-shape graph before the first step, on two made-up batches of other
+        sizes (the second makes the sizes symbolic), and return the seconds it took.
+
+        Otherwise the first batch off the static shape (an epoch's last, say) stops the run to
+        compile mid-way, and with several ranks the others wait for it at the next all-reduce.
+        The static graph still compiles on the first step, at the data's own anchor count. Nothing
+        of the run changes: the bare drafter runs (no all-reduce), anchors come from a generator of
+        its own, the gradients are dropped and no optimiser step is taken.
+        """
+        t0 = time.perf_counter()
+        generator = torch.Generator().manual_seed(0)
+        idle = StageProfiler(None)
+        width = self.drafter_cfg.num_target_layers * self.drafter_cfg.hidden_size
+        for batch in warm_up_batches(block_size=self.cfg.block_size, width=width, device=self.device):
+            blocks = sample_anchors(batch, block_size=self.cfg.block_size, num_anchors=WARM_UP_ANCHORS,
+                                    mask_token_id=self.drafter_cfg.mask_token_id, generator=generator)
+            self._forward_backward(batch, blocks, static=False, net=self.model, profiler=idle)
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _explaining_compile_failures(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, with a compiler that cannot build kernels on this machine (no C compiler, a
         GPU its Triton does not support) reported as one line naming the way out."""
         try:
-            return self.train_step(batch)
+            return fn(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             cause = getattr(e, "inner_exception", None) or e
             raise UserError(f"torch.compile could not build the drafter's kernels here ({type(cause).__name__}: "
@@ -285,6 +320,7 @@ class Trainer:
                    disable=not (cfg.progress and self.rank == 0))
         last: dict[str, float] = {}
         window: list[dict[str, torch.Tensor]] = []
+        warm_up = self._explaining_compile_failures(self.warm_up) if self.compiled else None
         self._window_start, tok_window = time.perf_counter(), 0
         t_start, first_step = time.perf_counter(), True
         try:
@@ -295,9 +331,9 @@ class Trainer:
                         break
                     if first_step:
                         t_batch = time.perf_counter()
-                    window.append(self._step_or_explain(batch))
+                    window.append(self._explaining_compile_failures(self.train_step, batch))
                     if first_step:
-                        self._log_startup(t_start, t_batch)
+                        self._log_startup(t_start, t_batch, warm_up)
                         first_step = False
                     self.step, self.position = self.step + 1, position
                     self.tokens_seen += batch.num_tokens
@@ -337,13 +373,14 @@ class Trainer:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
         return last
 
-    def _log_startup(self, t_start: float, t_batch: float) -> None:
+    def _log_startup(self, t_start: float, t_batch: float, warm_up: float | None) -> None:
         """Where start-up went: it can take minutes at scale (loading, the first read, compiling)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         build = f"set-up {self.build_seconds:.1f}s, " if self.build_seconds is not None else ""
-        log.info("start-up: %sfirst batch %.1fs, first step %.1fs (compilation included)", build,
+        warm = f"dynamic-shape graph compiled in {warm_up:.1f}s, " if warm_up is not None else ""
+        log.info("start-up: %s%sfirst batch %.1fs, first step %.1fs (compilation included)", build, warm,
                  t_batch - t_start, now - t_batch)
 
     def _log(self, window: list[dict[str, torch.Tensor]], tokens: int, path: Path,

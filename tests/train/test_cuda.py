@@ -165,3 +165,28 @@ def test_compiled_training_follows_eager_training(demo_cache, tmp_path):
     assert len(losses[0]) == 12
     assert static_steps[1] == 0 and static_steps[0] >= 6, static_steps
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=2e-2, atol=0.0)
+
+
+@needs_cuda
+def test_after_the_warm_up_only_a_new_static_shape_compiles(demo_cache, tmp_path):
+    """`fit` warms the dynamic-shape graph up first: after that, a step compiles only when it sets
+    a new static anchor count (the static graph's compile), never for a batch that runs the
+    dynamic graph, so no rank stops mid-run to compile one while the others wait for it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the graphs of earlier tests (the runners are module functions) count to dynamo's limit
+    # A cap 26 of the first 40 demo batches reach (the others hold 64-144 anchors): both graphs run.
+    cfg = demo_train_config(demo_cache, tmp_path / "run", max_steps=40, max_anchors=160)
+    trainer = Trainer.build(cfg, device=torch.device("cuda"))
+    trainer.warm_up()
+    seen = [(counters["stats"]["unique_graphs"], 0)]
+    for _, batch in trainer.source.iterate(trainer.position, epochs=None):
+        trainer.train_step(batch)
+        seen.append((counters["stats"]["unique_graphs"], trainer.static_shape.shapes))
+        if len(seen) == 41:
+            break
+    trainer.source.close()
+    assert 0 < trainer.static_steps < 40, trainer.static_steps
+    compiled_at = [i for i in range(1, 41) if seen[i][0] != seen[i - 1][0]]
+    new_static_at = [i for i in range(1, 41) if seen[i][1] != seen[i - 1][1]]
+    assert compiled_at and set(compiled_at) <= set(new_static_at), (compiled_at, new_static_at)

@@ -11,7 +11,14 @@ from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.config import FULL_ATTENTION, DrafterConfig
 from dflash_cache.train.drafter import init_drafter
 from dflash_cache.train.masks import context_doc_pos, dense_mask
-from dflash_cache.train.static_shapes import MAX_STATIC_SHAPES, ROW_QUANTUM, Context, StaticShape
+from dflash_cache.train.static_shapes import (
+    MAX_STATIC_SHAPES,
+    ROW_QUANTUM,
+    WARM_UP_ANCHORS,
+    Context,
+    StaticShape,
+    warm_up_batches,
+)
 from tests.train.test_masks import make_batch
 
 B = 4
@@ -79,3 +86,21 @@ def test_static_anchors_are_the_largest_count_seen_a_few_times_at_most():
     grown = [shape.admit(1000, a) for a in (3000, 4000, 5000, 6000)]
     assert grown == [True, True, False, False] and shape.anchors == 4000 and shape.shapes == MAX_STATIC_SHAPES
     assert shape.admit(1000, 4000) and not shape.admit(1000, 3000)
+
+
+def test_warm_up_batches_have_odd_distinct_sizes_and_anchors():
+    """The made-up batches make every size symbolic and tie none to another: token and anchor
+    counts odd and unlike the other batch's, and within a batch no two sizes the compiled step
+    sees (tokens, queries, keys, and their FlexAttention block counts) alike."""
+    for b in (8, 16):
+        sizes = []
+        for batch in warm_up_batches(block_size=b, width=24, device=torch.device("cpu")):
+            blocks = sample_anchors(batch, block_size=b, num_anchors=WARM_UP_ANCHORS, mask_token_id=0,
+                                    generator=torch.Generator().manual_seed(0))
+            t, a = batch.num_tokens, blocks.num_anchors
+            assert batch.features.shape == (t, 24) and batch.features.dtype == torch.bfloat16
+            queries, keys = a * b, t + a * b
+            one = [t, a, queries, keys, -(-queries // ROW_QUANTUM), -(-keys // ROW_QUANTUM)]
+            assert len(set(one)) == len(one) and t % 2 and a % 2, one
+            sizes.append(one)
+        assert all(x != y for x, y in zip(*sizes, strict=True)), sizes

@@ -257,3 +257,25 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
     assert r.output.strip() == ("Error: torch.compile could not build the drafter's kernels here (RuntimeError: Failed "
                                 "to find C compiler.); run again with --no-compile (and --resume to continue from "
                                 "the last checkpoint)"), r.output
+
+
+def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
+    """The compile warm-up runs forward and backward on made-up batches but changes nothing of the
+    run: weights, gradients, optimiser state, RNG states and the profiler's counts are as before."""
+    with one_torch_thread():
+        trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2), device=torch.device("cpu"))
+        weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        rng, anchors = torch.get_rng_state(), trainer.generator.get_state()
+        forwards, had_grads, zero_grad = [], [], trainer.model.zero_grad
+        trainer.model.register_forward_hook(lambda *_: forwards.append(True))
+
+        def recording_zero_grad(**kw):
+            had_grads.append(all(p.grad is not None for p in trainer.model.parameters()))
+            zero_grad(**kw)
+
+        trainer.model.zero_grad = recording_zero_grad
+        assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True]
+    assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
+    assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.generator.get_state(), anchors)
+    assert trainer.step == 0 and trainer.static_steps == 0
