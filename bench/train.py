@@ -148,6 +148,10 @@ def main() -> None:
                     help="sequence lengths uniform in [MIN_SEQ, the bench length] instead of all equal: batches "
                          "of varying shapes, as training sees (compiled kernels are then dynamic-shape ones)")
     ap.add_argument("--no-compile", action="store_true", help="eager drafter layers and loss (train --no-compile)")
+    ap.add_argument("--max-autotune", action="store_true",
+                    help="an experiment the trainer does not run: inductor benchmarks Triton matrix-multiply "
+                         "templates against cuBLAS for every shape and may fuse element-wise work into them "
+                         "(compiling takes minutes)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -155,6 +159,10 @@ def main() -> None:
     add_common_args(ap, "/tmp/dflash-bench-train")
     args = ap.parse_args()
     device = start_logging_and_device()
+    if args.max_autotune:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune = True  # what torch.compile(mode="max-autotune-no-cudagraphs") sets
     s = shapes(args.small)
     out = Path(args.out)
     codecs = args.codecs.split(",")
@@ -198,6 +206,7 @@ def main() -> None:
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
+                     "max_autotune": args.max_autotune,
                      "step_tflops": flops.total / 1e12, "runs": {}}
     static_shape = trainer.static_shape
     compare = args.compare_dynamic and static_shape is not None
