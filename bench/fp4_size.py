@@ -185,6 +185,71 @@ def layer_undelta(arrays: dict[str, np.ndarray], n_layers: int) -> np.ndarray:
     return _pack(_CODE_OF_ORDINAL[o])
 
 
+def _closest_first() -> np.ndarray:
+    """[16, 16]: rank of value rank v given the previous layer's value rank k, nearest to k first
+    (k, k - 1, k + 1, k - 2, ...): a residual stream changes little from one captured layer to the
+    next, so most codes land near their predecessor's and the ranks are small."""
+    table = np.zeros((16, 16), dtype=np.uint8)
+    for k in range(16):
+        order = [k] + [v for d in range(1, 16) for v in (k - d, k + d) if 0 <= v < 16]
+        table[k, order] = np.arange(16)
+    return table
+
+
+def _frequency_first(o: np.ndarray) -> np.ndarray:
+    """[L, 16, 16]: per layer, rank of v given k by how often v follows k in these codes (ties:
+    nearest first). A table a format would have to store per segment: the bound of what one buys."""
+    tables = np.zeros((o.shape[1], 16, 16), dtype=np.uint8)
+    tables[0] = _closest_first()
+    for layer in range(1, o.shape[1]):
+        counts = np.zeros((16, 16), dtype=np.int64)
+        np.add.at(counts, (o[:, layer - 1].ravel(), o[:, layer].ravel()), 1)
+        for k in range(16):
+            order = np.lexsort((_closest_first()[k], -counts[k]))
+            tables[layer, k, order] = np.arange(16)
+    return tables
+
+
+def _rank_encode(o: np.ndarray, tables: np.ndarray) -> np.ndarray:
+    out = o.copy()
+    for layer in range(1, o.shape[1]):
+        out[:, layer] = tables[layer][o[:, layer - 1], o[:, layer]]
+    return out
+
+
+def _rank_decode(r: np.ndarray, tables: np.ndarray) -> np.ndarray:
+    inverse = np.argsort(tables, axis=-1).astype(np.uint8)  # [L, 16 (k), 16 (rank)] -> v
+    o = r.copy()
+    for layer in range(1, r.shape[1]):
+        o[:, layer] = inverse[layer][o[:, layer - 1], r[:, layer]]
+    return o
+
+
+def layer_rank_closest(packed: np.ndarray, n_layers: int) -> dict[str, np.ndarray]:
+    """Each layer's value rank as its rank among the values nearest the previous layer's (a fixed
+    table, `_closest_first`): sign and magnitude both carried over, with no stored state."""
+    o = _ordinal(_nibbles(packed, n_layers))
+    return {"codes": _pack(_rank_encode(o, np.broadcast_to(_closest_first(), (n_layers, 16, 16))))}
+
+
+def layer_unrank_closest(arrays: dict[str, np.ndarray], n_layers: int) -> np.ndarray:
+    r = _nibbles(arrays["codes"], n_layers)
+    return _pack(_CODE_OF_ORDINAL[_rank_decode(r, np.broadcast_to(_closest_first(), (n_layers, 16, 16)))])
+
+
+def layer_rank_frequency(packed: np.ndarray, n_layers: int) -> dict[str, np.ndarray]:
+    """As `layer_rank_closest` with per-layer tables from these codes' own transition counts (the
+    tables, 16 x 16 nibbles per layer, are kept as an array of one row and counted in)."""
+    o = _ordinal(_nibbles(packed, n_layers))
+    tables = _frequency_first(o)
+    return {"codes": _pack(_rank_encode(o, tables)), "tables": tables.reshape(1, -1)}
+
+
+def layer_unrank_frequency(arrays: dict[str, np.ndarray], n_layers: int) -> np.ndarray:
+    tables = arrays["tables"].reshape(n_layers, 16, 16)
+    return _pack(_CODE_OF_ORDINAL[_rank_decode(_nibbles(arrays["codes"], n_layers), tables)])
+
+
 @dataclass(frozen=True)
 class Recoding:
     name: str
@@ -198,6 +263,8 @@ RECODINGS = [
     Recoding("signs split", split_signs, join_signs),
     Recoding("sign XOR prev layer", layer_sign_xor, layer_sign_unxor),
     Recoding("rank delta prev layer", layer_delta, layer_undelta),
+    Recoding("rank nearest prev layer first", layer_rank_closest, layer_unrank_closest),
+    Recoding("rank by prev layer's counts (table stored)", layer_rank_frequency, layer_unrank_frequency),
 ]
 CHAINS: dict[str, BloscCodec] = {
     "zstd-1": BloscCodec(cname="zstd", clevel=1, shuffle="noshuffle", typesize=1),
@@ -227,11 +294,13 @@ def stored_bytes(name: str, data: np.ndarray, compressors: tuple | list) -> int:
 
 
 def entropy_bits(codes: dict[str, np.ndarray]) -> float:
-    """Order-0 entropy of the stored nibbles (bits/token), signs counted as raw bits."""
+    """Order-0 entropy of the stored nibbles (bits/token), signs counted as raw bits, rank tables not counted."""
     total = 0.0
     for key, a in codes.items():
         if key == "signs":
             total += a.shape[1] * 8
+            continue
+        if key == "tables":  # one row for all the tokens: left out
             continue
         nib = np.concatenate([a & 15, a >> 4], axis=1)
         p = np.bincount(nib.ravel(), minlength=16) / nib.size
