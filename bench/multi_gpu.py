@@ -1,7 +1,7 @@
 """Multi-GPU benchmark (several GPUs of one host), run through the CLI exactly as a user would.
 
-Each stage can run on its own (`--stage extract|train|live`, reusing --out and --json), a few minutes
-each; `train` and `live` need the cache `extract` made.
+Each stage can run on its own (`--stage extract|train|live|tp`, reusing --out and --json), a few
+minutes each; `train` and `live` need the cache `extract` made.
 
 1. `extract --gpus 0` against `extract --gpus all` (N launched ranks) on the same data:
    throughput of the extraction itself (each rank logs its tokens and seconds, model loading
@@ -12,6 +12,8 @@ each; `train` and `live` need the cache `extract` made.
 3. `train --live` with the target on GPUs 0..N-2 and the drafter on GPU N-1, against offline
    (the N-GPU extraction's time plus epochs x tokens at the torchrun training rate), with its
    wall time to the last step (start-up and compilation included).
+4. `extract --gpus-per-target N`: one copy of the target split over the N GPUs (tensor
+   parallelism), against one GPU on the same data; sample set compared, cache verified.
 
 A Qwen3-8B-shaped target with random bf16 weights is saved to --out first (not timed), with
 synthetic rows over the default length buckets. `--small` uses a small Qwen3 and 2 CPU processes
@@ -42,7 +44,7 @@ from dflash_cache.store.report import verify  # noqa: E402
 
 RANK_LINE = re.compile(r"rank (\d+): \d+ segments, (\d+) tokens in ([\d.]+)s")
 CLI = [sys.executable, "-m", "dflash_cache.cli"]
-STAGES = ("extract", "train", "live")
+STAGES = ("extract", "train", "live", "tp")
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -100,11 +102,24 @@ def prepare(out: Path, small: bool, tokens: int) -> tuple[Path, Path]:
     return model_dir, data
 
 
+def extract_args(model_dir: Path, data: Path, small: bool) -> list[str]:
+    common = ["extract", "--model", str(model_dir), "--data", str(data), "--codec", "fp8", "--no-progress"]
+    return common + (["--token-budget", "8192", "--max-rows", "8"] if small else [])
+
+
+def one_device_extraction(out: Path, model_dir: Path, data: Path, small: bool) -> float:
+    """`extract --gpus 0` (a CPU with --small) into out/cache-1: its tokens/s."""
+    device = ["--gpus", "cpu" if small else "0"]
+    shutil.rmtree(out / "cache-1", ignore_errors=True)
+    output = run(CLI + extract_args(model_dir, data, small) + ["--out", str(out / "cache-1"), *device],
+                 out / "extract-1.log")
+    return extraction_rate(output)[0]
+
+
 def extract_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool) -> dict:
     """`extract --gpus 0` against `extract --gpus all` on the same data, both caches checked."""
-    common = ["extract", "--model", str(model_dir), "--data", str(data), "--codec", "fp8", "--no-progress"]
+    common = extract_args(model_dir, data, small)
     if small:
-        common += ["--token-budget", "8192", "--max-rows", "8"]
         one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "cpu"], out / "extract-1.log")
         many = run(torchrun(n) + common + ["--out", str(out / "cache-n")], out / "extract-n.log")
     else:
@@ -117,6 +132,28 @@ def extract_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool) -
     return {"one_tok_s": rate_1, "all_tok_s": rate_n, "ranks": ranks, "scaling": rate_n / rate_1 / n,
             "same_samples": same[0] == same[1], "verify_problems": sum(len(p) for p in problems),
             "tokens": readers[1].num_tokens, "complete": all(r.complete for r in readers)}
+
+
+def tp_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool, one_tok_s: float | None) -> dict:
+    """`extract --gpus-per-target N`: one copy of the target split over the N GPUs (tensor
+    parallelism; every rank runs every batch, rank 0 writes), against one GPU on the same data
+    (the extract stage's rate when it ran, else measured here). The cache is checked against the
+    one-GPU cache's sample set and verified."""
+    if one_tok_s is None or not (out / "cache-1" / "index.parquet").is_file():
+        one_tok_s = one_device_extraction(out, model_dir, data, small)
+    shutil.rmtree(out / "cache-tp", ignore_errors=True)
+    cmd = extract_args(model_dir, data, small) + ["--out", str(out / "cache-tp"), "--gpus-per-target", str(n)]
+    output = run(torchrun(n) + cmd if small else CLI + cmd + ["--gpus", "all"], out / "extract-tp.log")
+    ranks = {int(r): (int(t), float(sec)) for r, t, sec in RANK_LINE.findall(output)}
+    if 0 not in ranks:
+        sys.exit("no 'rank 0: ... tokens in Xs' line in the tensor-parallel extraction output")
+    # Every rank runs every batch: the copy's rate is rank 0's tokens over the slowest rank's time.
+    rate = ranks[0][0] / max(sec for _, sec in ranks.values())
+    readers = [CacheReader(out / "cache-1"), CacheReader(out / "cache-tp")]
+    same = [sorted(r.index.column("sample_id").to_pylist()) for r in readers]
+    return {"one_tok_s": one_tok_s, "tp_tok_s": rate, "gpus_per_target": n, "speedup": rate / one_tok_s,
+            "per_gpu": rate / one_tok_s / n, "same_samples": same[0] == same[1],
+            "verify_problems": len(verify(readers[1])), "complete": readers[1].complete}
 
 
 def train_args(small: bool, steps: int, log_every: int | None = None) -> list[str]:
@@ -167,6 +204,11 @@ def report(results: dict) -> None:
         e = results["extract"]
         print(f"extract: {e['tokens']:,} tokens, same sample set {e['same_samples']}, complete {e['complete']}, "
               f"verify problems {e['verify_problems']}")
+    if "tp" in results:
+        tp = results["tp"]
+        print(f"extract --gpus-per-target {tp['gpus_per_target']} (one target over {n} GPUs): {tp['tp_tok_s']:,.0f} tok/s "
+              f"against {tp['one_tok_s']:,.0f} on one GPU: {tp['speedup']:.2f}x, {tp['per_gpu']:.2f} per GPU; same sample "
+              f"set {tp['same_samples']}, complete {tp['complete']}, verify problems {tp['verify_problems']}")
     if "live" in results:
         live = results["live"]
         print(f"live ({n - 1} target GPUs, 1 drafter GPU): {live['tok_s']:,.0f} tok/s, "
@@ -200,12 +242,15 @@ def main() -> None:
     results.update(gpus=n, device="cpu" if args.small else torch.cuda.get_device_name(0))
     model_dir, data = prepare(out, args.small, args.tokens)
     stages = STAGES if args.stage == "all" else (args.stage,)
-    if "extract" in stages or not (out / "cache-n" / "index.parquet").is_file():
+    needs_cache = {"train", "live"} & set(stages) and not (out / "cache-n" / "index.parquet").is_file()
+    if "extract" in stages or needs_cache:
         results["extract"] = extract_stage(out, model_dir, data, n, args.small)
     if "train" in stages:
         results["train"] = train_stage(out, model_dir, n, args.small, args.steps, args.log_every)
     if "live" in stages:
         results["live"] = live_stage(out, model_dir, data, n, args.small, args.steps)
+    if "tp" in stages:
+        results["tp"] = tp_stage(out, model_dir, data, n, args.small, results.get("extract", {}).get("one_tok_s"))
     report(results)
     if json_path:
         json_path.write_text(json.dumps(results, indent=1))
