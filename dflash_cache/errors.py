@@ -19,3 +19,10 @@ def one_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type if it has none), to quote inside a UserError."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def compile_failure(exc: BaseException) -> str:
+    """'Type: first line' of what stopped torch.compile (its inner exception when it wraps one),
+    for the UserError that names the way out."""
+    cause = getattr(exc, "inner_exception", None) or exc
+    return f"{type(cause).__name__}: {one_line(cause)}"

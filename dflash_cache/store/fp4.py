@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_cache.errors import UserError, one_line
+from dflash_cache.errors import UserError, compile_failure
 from dflash_cache.store.codecs import ArraySpec, zstd_chain
 
 __all__ = [
@@ -312,9 +312,8 @@ def quantize_fp4_layout(x: torch.Tensor, n_layers: int) -> dict[str, torch.Tenso
     try:
         return _compiled_quantize_layout()(x, n_layers)
     except torch._dynamo.exc.BackendCompilerFailed as e:
-        cause = getattr(e, "inner_exception", None) or e
         raise UserError(f"--codec fp4: torch.compile could not build the quantisation kernels here "
-                        f"({type(cause).__name__}: {one_line(cause)}); set TORCH_COMPILE_DISABLE=1 to quantise "
+                        f"({compile_failure(e)}); set TORCH_COMPILE_DISABLE=1 to quantise "
                         "eagerly (slower), or use --codec fp8") from e
 
 
