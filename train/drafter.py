@@ -195,8 +195,8 @@ class DFlashDrafter(nn.Module):
         into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
         Two graphs: one for the run's static shape (`forward(static=True)`, see
         `dflash_cache.train.static_shapes`) and one for any other shape. Weights and state-dict keys
-        are unchanged. The trainer compiles the dynamic graph before its first step (`Trainer.warm_up`), the
-        static one on the first step at each static shape (about a minute each, less when cached)."""
+        are unchanged. Each graph compiles on the first step that needs it (about a minute, less when
+        cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`)."""
         self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True),
                                torch.compile(_run_layer_static, dynamic=False))
         self.flex_attention_fn = flex_attention

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from dflash_cache.errors import UserError, one_line
+from dflash_cache.errors import UserError, compile_failure
 from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
@@ -268,10 +268,11 @@ class Trainer:
 
     def warm_up(self) -> float:
         """Compile the dynamic-shape graph before the first step, on two made-up batches of other
-        sizes (the second makes the sizes symbolic), and return the seconds it took.
+        sizes (the second makes the sizes symbolic), and return the seconds it took. `fit` calls it
+        when several ranks train.
 
-        Otherwise the first batch off the static shape (an epoch's last, say) stops the run to
-        compile mid-way, and with several ranks the others wait for it at the next all-reduce.
+        Otherwise the first batch off the static shape (an epoch's last, say) stops its rank to
+        compile mid-way, and the other ranks wait for it at the next all-reduce.
         The static graph still compiles on the first step, at the data's own anchor count. Nothing
         of the run changes: the bare drafter runs (no all-reduce), anchors come from a generator of
         its own, the gradients are dropped and no optimiser step is taken.
@@ -295,9 +296,8 @@ class Trainer:
         try:
             return fn(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
-            cause = getattr(e, "inner_exception", None) or e
-            raise UserError(f"torch.compile could not build the drafter's kernels here ({type(cause).__name__}: "
-                            f"{one_line(cause)}); run again with --no-compile (and --resume to continue from the "
+            raise UserError(f"torch.compile could not build the drafter's kernels here ({compile_failure(e)}); "
+                            "run again with --no-compile (and --resume to continue from the "
                             "last checkpoint)") from e
 
     def fit(self) -> dict[str, float]:
@@ -320,7 +320,9 @@ class Trainer:
                    disable=not (cfg.progress and self.rank == 0))
         last: dict[str, float] = {}
         window: list[dict[str, torch.Tensor]] = []
-        warm_up = self._explaining_compile_failures(self.warm_up) if self.compiled else None
+        # With several ranks, a rank compiling mid-run holds all others at the next all-reduce; one
+        # process compiles the dynamic graph when a batch first needs it (some runs never do).
+        warm_up = self._explaining_compile_failures(self.warm_up) if self.compiled and self.world > 1 else None
         self._window_start, tok_window = time.perf_counter(), 0
         t_start, first_step = time.perf_counter(), True
         try:
