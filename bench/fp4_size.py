@@ -199,13 +199,14 @@ def _closest_first() -> np.ndarray:
 def _frequency_first(o: np.ndarray) -> np.ndarray:
     """[L, 16, 16]: per layer, rank of v given k by how often v follows k in these codes (ties:
     nearest first). A table a format would have to store per segment: the bound of what one buys."""
+    closest = _closest_first()
     tables = np.zeros((o.shape[1], 16, 16), dtype=np.uint8)
-    tables[0] = _closest_first()
+    tables[0] = closest
     for layer in range(1, o.shape[1]):
         counts = np.zeros((16, 16), dtype=np.int64)
         np.add.at(counts, (o[:, layer - 1].ravel(), o[:, layer].ravel()), 1)
         for k in range(16):
-            order = np.lexsort((_closest_first()[k], -counts[k]))
+            order = np.lexsort((closest[k], -counts[k]))
             tables[layer, k, order] = np.arange(16)
     return tables
 

@@ -118,14 +118,10 @@ def one_device_extraction(out: Path, model_dir: Path, data: Path, small: bool) -
 
 def extract_stage(out: Path, model_dir: Path, data: Path, n: int, small: bool) -> dict:
     """`extract --gpus 0` against `extract --gpus all` on the same data, both caches checked."""
-    common = extract_args(model_dir, data, small)
-    if small:
-        one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "cpu"], out / "extract-1.log")
-        many = run(torchrun(n) + common + ["--out", str(out / "cache-n")], out / "extract-n.log")
-    else:
-        one = run(CLI + common + ["--out", str(out / "cache-1"), "--gpus", "0"], out / "extract-1.log")
-        many = run(CLI + common + ["--out", str(out / "cache-n"), "--gpus", "all"], out / "extract-n.log")
-    (rate_1, _), (rate_n, ranks) = extraction_rate(one), extraction_rate(many)
+    rate_1 = one_device_extraction(out, model_dir, data, small)
+    cmd = extract_args(model_dir, data, small) + ["--out", str(out / "cache-n")]
+    many = run(torchrun(n) + cmd if small else CLI + cmd + ["--gpus", "all"], out / "extract-n.log")
+    rate_n, ranks = extraction_rate(many)
     readers = [CacheReader(out / "cache-1"), CacheReader(out / "cache-n")]
     same = [sorted(r.index.column("sample_id").to_pylist()) for r in readers]
     problems = [verify(r) for r in readers]
