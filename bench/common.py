@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dflash_cache.logs import setup_logging
+from dflash_cache.store.codecs import get_codec
 from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
 from dflash_cache.store.reader import write_index
 from dflash_cache.store.segments import read_records
@@ -44,5 +45,5 @@ def commit_synthetic_manifest(root: Path, *, codec: str, layer_ids: tuple[int, .
     target = TargetIdentity(name="synthetic", model_type="qwen3", config_hash="synthetic", dtype="bfloat16",
                             num_hidden_layers=36, hidden_size=hidden, vocab_size=vocab)
     write_manifest(root, Manifest(target=target, layer_ids=tuple(layer_ids), hidden_size=hidden, codec=codec,
-                                  dataset_fingerprint="synthetic", dataset_description="synthetic", plan=plan))
+                                  codec_layout=get_codec(codec).layout, dataset_fingerprint="synthetic", dataset_description="synthetic", plan=plan))
     write_index(root, read_records(root))

@@ -18,7 +18,10 @@ rows and (c) random-weight Qwen3-8B-shaped hidden states of layers 1, 9, 17, 25,
 weights as transformers initialises them; built one layer at a time, ~90 s per 1,024 tokens on 2
 CPU cores; `--qwen3-tokens 0` skips it).
 
-    python bench/fp4_size.py [--tokens 1024] [--rows 16] [--qwen3-tokens 1024] [--json PATH]
+    python bench/fp4_size.py [--tokens 1024] [--rows 16] [--qwen3-tokens 1024] [--codec-only] [--json PATH]
+
+First, for each feature set, what `--codec fp4` stores (each array of `FP4_LAYOUT` as extraction
+writes it); `--codec-only` stops there.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec_study_fp4 import N_LAYERS, add_feature_args, errors, feature_sets  # noqa: E402
 from dflash_cache.extract.target import select_layers  # noqa: E402
+from dflash_cache.store.codecs import to_stored_numpy  # noqa: E402
 from dflash_cache.store.fp4 import (  # noqa: E402
     FP4_LAYOUT,
     Fp4Config,
@@ -382,6 +386,22 @@ def study(label: str, x: torch.Tensor, cfg: Fp4Config, repeat: int, full: bool) 
     return rows
 
 
+def codec_row(label: str, x: torch.Tensor) -> dict:
+    """Bytes/token of every array `--codec fp4` stores (`FP4_LAYOUT`), each under its own spec, with
+    one-per-layer arrays summed under their base name: the codec's size as extraction writes it."""
+    t, width = x.shape
+    arrays = to_stored_numpy(quantize_fp4(x, N_LAYERS, FP4_LAYOUT))
+    specs = fp4_arrays(FP4_LAYOUT, N_LAYERS, width // N_LAYERS)
+    per_array: dict[str, float] = {}
+    for key, a in arrays.items():
+        base = key.rsplit("_", 1)[0] if key.rsplit("_", 1)[-1].isdigit() else key
+        per_array[base] = per_array.get(base, 0.0) + stored_bytes(key, a, specs[key].compressors) / t
+    row = {"features": label, "layout": FP4_LAYOUT.description, "arrays": per_array,
+           "bytes_per_token": sum(per_array.values())}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def print_table(rows: list[dict]) -> None:
     th = next(k for k in rows[0] if k.startswith("compress_mb_s_") and k != "compress_mb_s_1t")[len("compress_mb_s_"):]
     print(f"\n| features | layout | codes recoding | codes chain | codes B/token | codes entropy | other arrays "
@@ -403,20 +423,32 @@ def main() -> None:
     ap.add_argument("--qwen3-tokens", type=int, default=1024,
                     help="random-weight Qwen3 tokens, in whole 512-token sequences (0: skip)")
     ap.add_argument("--repeat", type=int, default=3, help="timings: best of this many")
+    ap.add_argument("--codec-only", action="store_true",
+                    help="only the bytes of each array `--codec fp4` stores (skip the recoding study)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     features = feature_sets(args)
     if args.qwen3_tokens:
         features.append(("random Qwen3 5x4096", lambda: qwen3_features(args.qwen3_tokens)))
-    rows = []
+    rows, codec_rows = [], []
     for label, make in features:
         x = make()
-        for cfg in (PLAIN_LAYOUT, Fp4Config(64, "e4m3", FP4_LAYOUT.outliers)):
-            rows += study(label, x, cfg, args.repeat, full=cfg == PLAIN_LAYOUT)
-    print_table(rows)
+        codec_rows.append(codec_row(label, x))
+        if not args.codec_only:
+            for cfg in (PLAIN_LAYOUT, Fp4Config(64, "e4m3", FP4_LAYOUT.outliers)):
+                rows += study(label, x, cfg, args.repeat, full=cfg == PLAIN_LAYOUT)
+    if rows:
+        print_table(rows)
+    print(f"\n`--codec fp4` ({FP4_LAYOUT.description}), bytes/token per array:\n")
+    keys = list(codec_rows[0]["arrays"])
+    print("| features | " + " | ".join(keys) + " | total |")
+    print("|---|" + "---:|" * (len(keys) + 1))
+    for r in codec_rows:
+        print(f"| {r['features']} | " + " | ".join(f"{r['arrays'][k]:,.1f}" for k in keys)
+              + f" | {r['bytes_per_token']:,.0f} |")
     if args.json:
         meta = {"command": " ".join(["python", *sys.argv]), "blosc": numcodecs.blosc.VERSION_STRING,
-                "blosc_threads": numcodecs.blosc.get_nthreads(), "rows": rows}
+                "blosc_threads": numcodecs.blosc.get_nthreads(), "codec": codec_rows, "rows": rows}
         Path(args.json).write_text(json.dumps(meta, indent=1) + "\n")
 
 

@@ -94,6 +94,7 @@ def build_manifest(target: TargetDescription, dataset: TokenizedDataset, plan: P
         layer_ids=tuple(target.layer_ids),
         hidden_size=target.hidden_size,
         codec=feature_codec.name,
+        codec_layout=feature_codec.layout,
         dataset_fingerprint=dataset.fingerprint,
         dataset_description=dataset.description,
         plan=plan.params(max_len=max_len, overlong=overlong),

@@ -67,6 +67,13 @@ class FeatureCodec:
     lossless: bool
     compressors: tuple = ()
 
+    @property
+    def layout(self) -> str:
+        """Which arrays the name stands for, recorded in the manifest: a reader refuses a cache of
+        another layout in one line instead of calling its segments damaged. Empty for a codec
+        whose stored arrays never changed."""
+        return ""
+
     def arrays(self, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:
         return {"features": ArraySpec(np.dtype(np.uint16), n_layers * hidden_size, self.compressors)}
 
@@ -116,6 +123,12 @@ class Fp8Codec(FeatureCodec):
 @dataclass(frozen=True, slots=True)
 class Fp4Codec(FeatureCodec):
     """e2m1 in groups with outlier channels in bf16, the fixed `FP4_LAYOUT` (`store.fp4`)."""
+
+    @property
+    def layout(self) -> str:
+        from dflash_cache.store.fp4 import FP4_LAYOUT
+
+        return FP4_LAYOUT.description
 
     def arrays(self, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:
         from dflash_cache.store.fp4 import FP4_LAYOUT, fp4_arrays

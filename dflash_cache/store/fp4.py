@@ -18,6 +18,9 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
   fixed, so the rows repeat and zstd shrinks them (~2.7x measured on synthetic 5 x 4096).
 * with ``sign_xor``, ``codes`` hold each layer's sign bit XOR the previous layer's at the same
   channel (`xor_layer_signs`; lossless, the dequantised values are the same bits).
+* with ``per_layer``, ``codes`` and ``scales`` are stored as one array per layer, ``codes_l``
+  ``[T, H/2]`` and ``scales_l`` ``[T, H/G]`` (`Fp4Config.split_keys`), so zstd fits each layer
+  its own Huffman table (lossless).
 
 Quantisation: outlier positions are zeroed in the body; ``s = amax(group) * fl(1/6)`` rounded to
 the scale format (nearest; e4m3 relative to a power-of-two row scale); ``code = rne_e2m1(clamp(x /
@@ -44,7 +47,7 @@ more than their order-0 entropy, ~3.85-3.95 bits a code. On homogeneous channels
 Qwen3) that would save 1.3%, under the 1/64 zstd's faster levels need to store a block compressed,
 so the codes stay 10,240 bytes/token at 5 x 4096 and the layout ~10,620; no Blosc setting fast
 enough to use saves more than 0.4%. Storing signs relative to the previous layer (``sign_xor``)
-brings it to ~10,100.
+brings it to ~10,100, and one array per layer (``per_layer``) to ~9,920.
 """
 
 from __future__ import annotations
@@ -90,13 +93,15 @@ FP4_ROW_ERROR_BOUND: float = 2.0**-7 / E4M3_MAX  # the row scale, a power of two
 
 @dataclass(frozen=True, slots=True)
 class Fp4Config:
-    """How to quantise: elements per scale, the scale's format, bf16 outlier channels per layer, and
-    whether each layer's code signs are stored XOR the previous layer's (`xor_layer_signs`)."""
+    """How to quantise: elements per scale, the scale's format, bf16 outlier channels per layer,
+    whether each layer's code signs are stored XOR the previous layer's (`xor_layer_signs`), and
+    whether the codes and the group scales are stored as one array per layer (`split_keys`)."""
 
     group_size: int = 16
     scale_format: str = "e4m3"
     outliers: int = 0
     sign_xor: bool = False
+    per_layer: bool = False
 
     def check(self, hidden_size: int) -> None:
         """Refuse shapes the layout cannot represent (raise ValueError)."""
@@ -110,8 +115,9 @@ class Fp4Config:
         k = self.outliers
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hidden_size or hidden_size > 32767:
             raise ValueError(f"fp4: outliers must be in [0, {hidden_size}] (hidden size <= 32767), got {k!r}")
-        if not isinstance(self.sign_xor, bool):
-            raise ValueError(f"fp4: sign_xor must be a bool, got {self.sign_xor!r}")
+        for flag in ("sign_xor", "per_layer"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"fp4: {flag} must be a bool, got {getattr(self, flag)!r}")
 
     @property
     def codes_key(self) -> str:
@@ -119,12 +125,27 @@ class Fp4Config:
         decodes the other's codes (a cache records only the codec's name)."""
         return "sign_xor_codes" if self.sign_xor else "codes"
 
+    @property
+    def description(self) -> str:
+        """The layout in a few words, e.g. 'g32 e4m3 top-8 sign-xor per-layer'."""
+        flags = [name for name, on in (("sign-xor", self.sign_xor), ("per-layer", self.per_layer)) if on]
+        return " ".join([f"g{self.group_size}", self.scale_format, f"top-{self.outliers}", *flags])
+
+    def split_keys(self, key: str, n_layers: int) -> list[str]:
+        """Stored names of the codes (`codes_key`) or the group `scales`: the name itself, or with
+        `per_layer` one array per layer, `{key}_{l}`. Why per layer: zstd fits one Huffman table to
+        a block, and layers differ (the first keeps its raw signs, later ones XOR signs that agree
+        64-84% of the time), so a table per layer takes 1.7% off the random-weight Qwen3's codes
+        and 10% off its scales (bench/fp4_size.py). The names differ from the joined ones, so a
+        reader of one layout never takes the other's arrays."""
+        return [f"{key}_{layer}" for layer in range(n_layers)] if self.per_layer else [key]
+
 
 # What `--codec fp4` stores: the study's best size/error trade-off on features with massive
 # activations (README, "4-bit study"), with sign-XOR codes (lossless, 5% smaller on a random-weight
 # Qwen3's features: bench/fp4_size.py). A cache records only the codec's name, so this layout is
 # fixed for the name "fp4"; another layout needs another name, or other array names.
-FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8, sign_xor=True)
+FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8, sign_xor=True, per_layer=True)
 
 
 def fp4_arrays(cfg: Fp4Config, n_layers: int, hidden_size: int) -> dict[str, ArraySpec]:
@@ -135,13 +156,17 @@ def fp4_arrays(cfg: Fp4Config, n_layers: int, hidden_size: int) -> dict[str, Arr
     # are single bytes of near-uniform 4-bit fields, so bit-shuffle only hurts (zstd's literal coder
     # takes the codes to their byte entropy or leaves them raw); outlier indices repeat token to
     # token and compress best unshuffled; bf16 values byte-shuffled.
-    specs = {cfg.codes_key: ArraySpec(np.dtype(np.uint8), width // 2, tuple(zstd_chain(1, shuffle="noshuffle")))}
-    n_groups = width // cfg.group_size
+    parts = n_layers if cfg.per_layer else 1
+    codes = ArraySpec(np.dtype(np.uint8), width // 2 // parts, tuple(zstd_chain(1, shuffle="noshuffle")))
+    specs = dict.fromkeys(cfg.split_keys(cfg.codes_key, n_layers), codes)
+    n_groups = width // cfg.group_size // parts
     if cfg.scale_format == "e4m3":
-        specs["scales"] = ArraySpec(np.dtype(np.uint8), n_groups, tuple(zstd_chain(1, shuffle="noshuffle")))
-        specs["row_scales"] = ArraySpec(np.dtype(np.float32), n_layers, tuple(zstd_chain(4)))
+        scales = ArraySpec(np.dtype(np.uint8), n_groups, tuple(zstd_chain(1, shuffle="noshuffle")))
     else:
-        specs["scales"] = ArraySpec(np.dtype(np.uint16), n_groups, tuple(zstd_chain(2)))
+        scales = ArraySpec(np.dtype(np.uint16), n_groups, tuple(zstd_chain(2)))
+    specs.update(dict.fromkeys(cfg.split_keys("scales", n_layers), scales))
+    if cfg.scale_format == "e4m3":
+        specs["row_scales"] = ArraySpec(np.dtype(np.float32), n_layers, tuple(zstd_chain(4)))
     if cfg.outliers:
         k = n_layers * cfg.outliers
         specs["outlier_idx"] = ArraySpec(np.dtype(np.uint16), k, tuple(zstd_chain(2, shuffle="noshuffle")))
@@ -262,7 +287,7 @@ def _row_scales(amax_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _decoded_scales(arrays: dict[str, torch.Tensor], t: int, n_layers: int, cfg: Fp4Config) -> torch.Tensor:
-    sc = arrays["scales"]
+    sc = _joined(arrays, cfg.split_keys("scales", n_layers))
     if cfg.scale_format == "bf16":
         return sc.view(torch.bfloat16).float().reshape(t, n_layers, -1)
     row = arrays["row_scales"].reshape(t, n_layers, 1)
@@ -285,9 +310,24 @@ def quantize_fp4(x: torch.Tensor, n_layers: int, cfg: Fp4Config) -> dict[str, to
     codes = _e2m1_codes(groups, sc.pop("decoded").unsqueeze(-1)).reshape(t, n_layers, h)
     if cfg.sign_xor:
         codes = xor_layer_signs(codes)
-    out[cfg.codes_key] = pack_nibbles(codes.reshape(t, n_layers * h))
+    packed = pack_nibbles(codes.reshape(t, n_layers * h)).reshape(t, n_layers, -1)
+    out.update(_split(packed, cfg.split_keys(cfg.codes_key, n_layers)))
+    out.update(_split(sc.pop("scales").reshape(t, n_layers, -1), cfg.split_keys("scales", n_layers)))
     out.update({k: v.reshape(t, -1).contiguous() for k, v in sc.items()})
     return out
+
+
+def _split(per_layer: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
+    """[T, L, C] -> {key: [T, L*C]} for one key, or {key_l: layer l's [T, C]} for one key per layer."""
+    t = per_layer.shape[0]
+    if len(keys) == 1:
+        return {keys[0]: per_layer.reshape(t, -1).contiguous()}
+    return {key: per_layer[:, layer].contiguous() for layer, key in enumerate(keys)}
+
+
+def _joined(arrays: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    """Inverse of `_split`: [T, L*C]."""
+    return arrays[keys[0]] if len(keys) == 1 else torch.cat([arrays[key] for key in keys], dim=1)
 
 
 def _quantize_layout(x: torch.Tensor, n_layers: int) -> dict[str, torch.Tensor]:
@@ -319,7 +359,7 @@ def quantize_fp4_layout(x: torch.Tensor, n_layers: int) -> dict[str, torch.Tenso
 
 def dequantize_fp4(arrays: dict[str, torch.Tensor], n_layers: int, cfg: Fp4Config) -> torch.Tensor:
     """The arrays of `quantize_fp4` (any device; unsigned or signed bit views) -> bf16 [T, L*H]."""
-    codes = unpack_nibbles(arrays[cfg.codes_key].view(torch.uint8))
+    codes = unpack_nibbles(_joined(arrays, cfg.split_keys(cfg.codes_key, n_layers)).view(torch.uint8))
     t, width = codes.shape
     h = width // n_layers
     cfg.check(h)

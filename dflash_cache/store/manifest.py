@@ -82,6 +82,9 @@ class Manifest:
     dataset_fingerprint: str
     dataset_description: str
     plan: PlanParams
+    # `FeatureCodec.layout` of the writer: which stored arrays the codec's name stood for. Absent
+    # (empty) in caches made before it was recorded, when no layout of a codec had changed.
+    codec_layout: str = ""
     features: str = "pre-norm decoder layer outputs, packed over real tokens, layers concatenated"
     logical_dtype: str = "bfloat16"
     layer_id_convention: str = LAYER_ID_CONVENTION

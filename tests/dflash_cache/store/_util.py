@@ -33,6 +33,7 @@ def make_manifest(codec: str = "bf16", *, layer_ids=(1, 3), hidden_size: int = 3
         layer_ids=tuple(layer_ids),
         hidden_size=hidden_size,
         codec=codec,
+        codec_layout=get_codec(codec).layout,
         dataset_fingerprint="f" * 64,
         dataset_description="synthetic",
         plan=PlanParams(unit_rows=64, token_budget=2048, max_rows=16, bucket_bounds=(0, 770), max_len=None,

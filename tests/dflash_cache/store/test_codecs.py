@@ -116,6 +116,30 @@ def test_fp4_outlier_index_outside_the_layer_is_damage_not_a_crash(tmp_path, mon
     assert problem.startswith(f"segment {rec.name}: array outlier_idx")
 
 
+def test_a_cache_of_another_fp4_layout_is_refused_in_one_line(tmp_path, monkeypatch):
+    """An fp4 cache written with another layout of the codec (here: codes and scales joined over
+    the layers, as before per-layer arrays) is refused when opened, naming both layouts, rather
+    than read as damaged segments; a manifest from before layouts were recorded, too."""
+    import dataclasses
+    import json
+
+    from dflash_cache.store import fp4
+
+    monkeypatch.setattr(fp4, "FP4_LAYOUT", dataclasses.replace(fp4.FP4_LAYOUT, per_layer=False))
+    synthetic_cache(tmp_path, "fp4")
+    monkeypatch.undo()
+    with pytest.raises(UserError, match=r"stores codec fp4 in layout 'g32 e4m3 top-8 sign-xor'; this release reads "
+                                        r"'g32 e4m3 top-8 sign-xor per-layer': extract it again") as info:
+        CacheReader(tmp_path)
+    assert "\n" not in str(info.value)
+    manifest = tmp_path / "manifest.json"
+    obj = json.loads(manifest.read_text())
+    del obj["codec_layout"]
+    manifest.write_text(json.dumps(obj))
+    with pytest.raises(UserError, match="stores codec fp4 in an earlier layout"):
+        CacheReader(tmp_path)
+
+
 def test_fp4_refuses_a_hidden_size_it_cannot_group():
     """Groups of 32 must tile a layer's row: a target with another hidden size gets a one-line
     refusal naming the way out, before anything runs."""

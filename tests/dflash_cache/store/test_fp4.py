@@ -20,6 +20,8 @@ CONFIGS = [
     Fp4Config(16, "e4m3", outliers=4),
     Fp4Config(64, "bf16", outliers=2),
     Fp4Config(32, "e4m3", outliers=8, sign_xor=True),
+    Fp4Config(32, "e4m3", outliers=8, sign_xor=True, per_layer=True),
+    Fp4Config(16, "bf16", per_layer=True),
 ]
 
 
@@ -163,7 +165,7 @@ def test_sign_xor_is_lossless(make) -> None:
     only the sign bits of layers 1.. differ in the stored codes."""
     n_layers, h = 4, 256
     x = make(16, n_layers, h)
-    plain, chained = Fp4Config(32, "e4m3", outliers=8), FP4_LAYOUT
+    plain, chained = Fp4Config(32, "e4m3", outliers=8), Fp4Config(32, "e4m3", outliers=8, sign_xor=True)
     assert chained.sign_xor and chained.codes_key != plain.codes_key  # one layout's reader cannot take the other's
     enc, enc_x = fp4.quantize_fp4(x, n_layers, plain), fp4.quantize_fp4(x, n_layers, chained)
     assert torch.equal(fp4.dequantize_fp4(enc_x, n_layers, chained).view(torch.int16),
@@ -172,6 +174,43 @@ def test_sign_xor_is_lossless(make) -> None:
     diff = (fp4.unpack_nibbles(codes) ^ fp4.unpack_nibbles(codes_x)).reshape(16, n_layers, h)
     assert not diff[:, 0].any() and not (diff & 7).any() and diff.any()
     assert enc.keys() == enc_x.keys() and all(torch.equal(enc[k], enc_x[k]) for k in enc)
+
+
+@pytest.mark.parametrize("scale_format", ["e4m3", "bf16"])
+def test_per_layer_arrays_are_the_joined_columns(scale_format: str) -> None:
+    """One array per layer stores exactly layer l's columns of the joined codes and scales, under
+    names the joined layout never uses, and decodes to the same bits."""
+    n_layers, h = 3, 128
+    x = _residual(8, n_layers, h)
+    joined = Fp4Config(32, scale_format, outliers=4, sign_xor=True)
+    split = Fp4Config(32, scale_format, outliers=4, sign_xor=True, per_layer=True)
+    enc, enc_s = fp4.quantize_fp4(x, n_layers, joined), fp4.quantize_fp4(x, n_layers, split)
+    assert enc_s.keys() == fp4.fp4_arrays(split, n_layers, h).keys()
+    assert not enc.keys() & {*split.split_keys(split.codes_key, n_layers), *split.split_keys("scales", n_layers)}
+    for key in (joined.codes_key, "scales"):
+        parts = split.split_keys(key, n_layers)
+        assert all(enc_s[k].is_contiguous() for k in parts)
+        assert torch.equal(torch.cat([enc_s[k] for k in parts], dim=1), enc.pop(key))
+        for k in parts:
+            assert fp4.fp4_arrays(split, n_layers, h)[k].columns == enc_s.pop(k).shape[1]
+    assert enc.keys() == enc_s.keys() and all(torch.equal(enc[k], enc_s[k]) for k in enc)
+    assert torch.equal(fp4.dequantize_fp4(fp4.quantize_fp4(x, n_layers, split), n_layers, split).view(torch.int16),
+                       fp4.dequantize_fp4(fp4.quantize_fp4(x, n_layers, joined), n_layers, joined).view(torch.int16))
+
+
+def test_per_layer_arrays_compress(tmp_path: Path) -> None:
+    """On a residual stream with signs XOR the previous layer's, the first layer's codes (raw signs)
+    and the others' (mostly 0) want different Huffman tables: one array per layer stores the codes
+    and scales in fewer bytes than one array of all layers."""
+    t, n_layers, h = 256, 5, 1024
+    x = _residual(t, n_layers, h)
+    sizes = []
+    for i, cfg in enumerate((Fp4Config(32, "e4m3", 8, sign_xor=True), FP4_LAYOUT)):
+        assert cfg.per_layer == bool(i)
+        arrays, specs = to_stored_numpy(fp4.quantize_fp4(x, n_layers, cfg)), fp4.fp4_arrays(cfg, n_layers, h)
+        keys = [*cfg.split_keys(cfg.codes_key, n_layers), *cfg.split_keys("scales", n_layers)]
+        sizes.append(sum(_stored_bytes(tmp_path / f"{i}-{k}", k, arrays[k], specs[k]) for k in keys))
+    assert sizes[1] <= 0.98 * sizes[0], sizes
 
 
 def test_xor_layer_signs_inverts() -> None:
@@ -187,7 +226,7 @@ def test_sign_xor_codes_compress(tmp_path: Path) -> None:
     x = _residual(t, n_layers, h)
     raw = t * n_layers * h // 2
     sizes = []
-    for i, cfg in enumerate((Fp4Config(32, "e4m3", outliers=8), FP4_LAYOUT)):
+    for i, cfg in enumerate((Fp4Config(32, "e4m3", outliers=8), Fp4Config(32, "e4m3", outliers=8, sign_xor=True))):
         key = cfg.codes_key
         codes = to_stored_numpy(fp4.quantize_fp4(x, n_layers, cfg))[key]
         sizes.append(_stored_bytes(tmp_path / str(i), key, codes, fp4.fp4_arrays(cfg, n_layers, h)[key]))
@@ -197,7 +236,7 @@ def test_sign_xor_codes_compress(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "cfg",
     [Fp4Config(12, "e4m3"), Fp4Config(15, "e4m3"), Fp4Config(16, "fp8"), Fp4Config(16, "e4m3", -1),
-     Fp4Config(16, "e4m3", 0, 1)],
+     Fp4Config(16, "e4m3", 0, 1), Fp4Config(16, "e4m3", 0, False, 1)],
 )
 def test_rejects_bad_config(cfg: Fp4Config) -> None:
     with pytest.raises(ValueError):
