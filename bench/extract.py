@@ -147,6 +147,10 @@ def bytes_on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / SEGMENTS_DIR).rglob("*") if p.is_file())
 
 
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="tokens per timed pass")
@@ -156,6 +160,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=8)
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--profile-interval", type=float, default=15.0)
+    ap.add_argument("--no-full-forward", action="store_true",
+                    help="skip timing the uncut stack (the slowest pass; no ratio needs it but the full-forward one)")
     args = ap.parse_args()
     device = start_logging_and_device()
     config = TARGETS[args.target](args.small)
@@ -182,20 +188,24 @@ def main() -> None:
     full_layers = decoder.layers
     cut_layers = full_layers[: layer_ids[-1] + 1]
     one_per_shape = list({tuple(h.forward.input_ids.shape): h for h in host_batches}.values())
-    for layers in (full_layers, cut_layers):
+    for layers in (cut_layers,) if args.no_full_forward else (full_layers, cut_layers):
         decoder.layers = layers
         time_forward(decoder, one_per_shape, device)
-    decoder.layers = full_layers
-    full_s = time_forward(decoder, host_batches, device)
+    full_s = None
+    if not args.no_full_forward:
+        decoder.layers = full_layers
+        full_s = time_forward(decoder, host_batches, device)
     decoder.layers = cut_layers
     cut_s = time_forward(decoder, host_batches, device)
     results = {"device": torch.cuda.get_device_name(device) if pin else "cpu", "target": args.target,
                "parameters": sum(p.numel() for p in model.parameters()), "tokens": tokens,
                "hybrid_kernels": {name: importlib.util.find_spec(name) is not None for name in HYBRID_KERNELS}
                if has_linear_attention(config) else None,
-               "batches": len(batches), "forward_full_tok_s": tokens / full_s, "forward_cut_tok_s": tokens / cut_s,
+               "batches": len(batches), "forward_full_tok_s": tokens / full_s if full_s else None,
+               "forward_cut_tok_s": tokens / cut_s,
                "codecs": {}}
-    print(f"bare forward, all {config.num_hidden_layers} layers: {tokens / full_s:10,.0f} tok/s", flush=True)
+    if full_s:
+        print(f"bare forward, all {config.num_hidden_layers} layers: {tokens / full_s:10,.0f} tok/s", flush=True)
     print(f"bare forward, cut after layer {layer_ids[-1]}:   {tokens / cut_s:10,.0f} tok/s", flush=True)
 
     root = Path(args.out)
@@ -216,7 +226,8 @@ def main() -> None:
         n_layers, hidden = len(layer_ids), config.hidden_size
         results["codecs"][codec] = {
             "tok_s": tokens / res.seconds, "ratio_vs_cut_forward": cut_s / res.seconds,
-            "ratio_vs_full_forward": full_s / res.seconds, "seconds": res.seconds, "drain_seconds": res.drain_seconds,
+            "ratio_vs_full_forward": full_s / res.seconds if full_s else None,
+            "seconds": res.seconds, "drain_seconds": res.drain_seconds,
             "bytes_per_token": size / tokens, "raw_bf16_bytes_per_token": 2 * n_layers * hidden,
         }
         print(f"extract {codec:>4}: {tokens / res.seconds:10,.0f} tok/s  ratio {cut_s / res.seconds:.3f}  "
@@ -234,11 +245,12 @@ def main() -> None:
 
     print("\n| pass | tok/s | ratio vs cut forward | ratio vs full forward | bytes/token |")
     print("|---|---:|---:|---:|---:|")
-    print(f"| bare forward, {config.num_hidden_layers} layers | {results['forward_full_tok_s']:,.0f} | | 1.000 | |")
+    if full_s:
+        print(f"| bare forward, {config.num_hidden_layers} layers | {results['forward_full_tok_s']:,.0f} | | 1.000 | |")
     print(f"| bare forward, cut after layer {layer_ids[-1]} | {results['forward_cut_tok_s']:,.0f} | 1.000 | | |")
     for codec, r in results["codecs"].items():
         print(f"| extract `{codec}` | {r['tok_s']:,.0f} | {r['ratio_vs_cut_forward']:.3f} | "
-              f"{r['ratio_vs_full_forward']:.3f} | {r['bytes_per_token']:,.0f} |")
+              f"{_ratio(r['ratio_vs_full_forward'])} | {r['bytes_per_token']:,.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
