@@ -22,6 +22,7 @@ script can be checked on a CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import shutil
@@ -152,6 +153,9 @@ def main() -> None:
                     help="an experiment the trainer does not run: inductor benchmarks Triton matrix-multiply "
                          "templates against cuBLAS for every shape and may fuse element-wise work into them "
                          "(compiling takes minutes)")
+    ap.add_argument("--loss-chunks", default="",
+                    help="also time the resident batches with these LM-head loss chunk sizes (comma-separated "
+                         "rows; the trainer's is 4096): fewer, larger products against more logits memory")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -215,9 +219,13 @@ def main() -> None:
         t0 = time.perf_counter()
         timed_steps(trainer, iter(resident), min(3, len(resident)), device)
         print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
+    default_cfg = trainer.cfg
+    chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     for rnd in range(args.rounds):
-        for name in ["resident", *(["resident-dynamic"] if compare else []), *codecs]:
+        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
+            trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
+                else default_cfg
             static_before = trainer.static_steps
             if name.startswith("resident"):
                 batches, startup, dropped = iter(resident), 0.0, None
