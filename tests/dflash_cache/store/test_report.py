@@ -9,10 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
+from dflash_cache.store.codecs import get_codec
 from dflash_cache.store.manifest import MANIFEST_FILE
 from dflash_cache.store.plan import PLAN_FILE
 from dflash_cache.store.reader import INDEX_FILE, CacheReader
-from dflash_cache.store.report import describe_sample, summarize, verify
+from dflash_cache.store.report import describe_sample, format_summary, summarize, verify
 from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
 from tests.dflash_cache.store._util import flip_byte
 
@@ -28,6 +29,15 @@ def _expected(root):
     records = read_records(root)
     meta = sum((root / f).stat().st_size for f in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE))
     return records, sum(sum(r.files.values()) for r in records) + meta
+
+
+def test_summary_names_the_codec_layout(real_cache):
+    """A codec whose stored arrays have had several layouts is shown with the one the cache holds."""
+    s = summarize(CacheReader(real_cache("fp4")))
+    assert s["codec_layout"] == get_codec("fp4").layout != ""
+    assert f"codec            fp4  ({s['codec_layout']})" in format_summary(s).splitlines()
+    s = summarize(CacheReader(real_cache("bf16")))
+    assert s["codec_layout"] == "" and "codec            bf16" in format_summary(s).splitlines()
 
 
 def test_summarize_matches_records(real_cache, demo_tokens):
