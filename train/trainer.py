@@ -241,11 +241,12 @@ class Trainer:
                           profiler: StageProfiler) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks, drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)])."""
         dcfg, stream = self.drafter_cfg, self._stream()
-        with profiler.device_span("dflash.create_block_mask", stream):
-            ctx_doc, ctx_pos = context_doc_pos(batch)
-            context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
-            if static:
+        ctx_doc, ctx_pos = context_doc_pos(batch)
+        context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
+        if static:
+            with profiler.device_span("dflash.pad_context", stream):  # a copy of the features, not mask work
                 context = context.padded_to(self.static_shape.context_rows)
+        with profiler.device_span("dflash.create_block_mask", stream):
             masks = build_masks(context.docs, context.positions, blocks, layer_types=dcfg.layer_types,
                                 sliding_window=dcfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
