@@ -18,9 +18,9 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
   fixed, so the rows repeat and zstd shrinks them (~2.7x measured on synthetic 5 x 4096).
 * with ``sign_xor``, ``codes`` hold each layer's sign bit XOR the previous layer's at the same
   channel (`xor_layer_signs`; lossless, the dequantised values are the same bits).
-* with ``per_layer``, ``codes`` and ``scales`` are stored as one array per layer, ``codes_l``
-  ``[T, H/2]`` and ``scales_l`` ``[T, H/G]`` (`Fp4Config.split_keys`), so zstd fits each layer
-  its own Huffman table (lossless).
+* with ``per_layer``, the codes and ``scales`` are stored as one array per layer l, e.g.
+  ``sign_xor_codes_l`` ``[T, H/2]`` and ``scales_l`` ``[T, H/G]`` (`Fp4Config.split_keys`), so
+  zstd fits each layer its own Huffman table (lossless).
 
 Quantisation: outlier positions are zeroed in the body; ``s = amax(group) * fl(1/6)`` rounded to
 the scale format (nearest; e4m3 relative to a power-of-two row scale); ``code = rne_e2m1(clamp(x /
@@ -135,7 +135,7 @@ class Fp4Config:
         """Stored names of the codes (`codes_key`) or the group `scales`: the name itself, or with
         `per_layer` one array per layer, `{key}_{l}`. Why per layer: zstd fits one Huffman table to
         a block, and layers differ (the first keeps its raw signs, later ones XOR signs that agree
-        64-84% of the time), so a table per layer takes 1.7% off the random-weight Qwen3's codes
+        64-84% of the time), so a table per layer takes 1.8% off the random-weight Qwen3's codes
         and 10% off its scales (bench/fp4_size.py). The names differ from the joined ones, so a
         reader of one layout never takes the other's arrays."""
         return [f"{key}_{layer}" for layer in range(n_layers)] if self.per_layer else [key]
@@ -143,8 +143,9 @@ class Fp4Config:
 
 # What `--codec fp4` stores: the study's best size/error trade-off on features with massive
 # activations (README, "4-bit study"), with sign-XOR codes (lossless, 5% smaller on a random-weight
-# Qwen3's features: bench/fp4_size.py). A cache records only the codec's name, so this layout is
-# fixed for the name "fp4"; another layout needs another name, or other array names.
+# Qwen3's features: bench/fp4_size.py) and one array per layer. The manifest records this layout's
+# `description` (`codec_layout`), and a reader refuses a cache of another; a new layout also takes
+# array names of its own, so no reader ever decodes another layout's arrays.
 FP4_LAYOUT = Fp4Config(group_size=32, scale_format="e4m3", outliers=8, sign_xor=True, per_layer=True)
 
 

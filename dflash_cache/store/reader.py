@@ -200,7 +200,7 @@ class CacheReader:
         if self.manifest.codec_layout != self.codec.layout:
             made = f"layout {self.manifest.codec_layout!r}" if self.manifest.codec_layout else "an earlier layout"
             raise UserError(f"cache {self.location} stores codec {self.codec.name} in {made}; this release reads "
-                            f"{self.codec.layout!r}: extract it again, or read it with the release that wrote it")
+                            f"{self.codec.layout!r}: extract it again (--overwrite), or read it with the release that wrote it")
         self.records: list[SegmentRecord] = self.location.records()
         self._by_name = {r.name: r for r in self.records}
         self._check_segment_files = check_segment_files
