@@ -157,11 +157,21 @@ def write_segment(directory: Path, *, packed: HostBatch, features: Mapping[str, 
 # --- finishing ----------------------------------------------------------------------------------
 
 def finish_cache(root: Out, echo: Callable[[str], None], seconds: float) -> None:
-    """Rewrite the index from the commits and report how complete the cache is."""
+    """Rewrite the index from the commits and report how complete the cache is.
+
+    Other runs (`--copy`) may commit while this one writes the index. So the commits are listed
+    again after each write, until a write covers what the listing after it finds: whichever run
+    writes last then wrote every commit made before its last listing, and each run's own commits
+    were all made before its first."""
     dest = open_destination(root)
     with dest.guard():
         records = dest.records()
-        dest.put_parquet(INDEX_FILE, index_table(records))
+        while True:
+            dest.put_parquet(INDEX_FILE, index_table(records))
+            now = dest.records()
+            if [r.name for r in now] == [r.name for r in records]:
+                break
+            records = now
         manifest = dest.manifest()
     tokens = sum(r.num_tokens for r in records)
     done = len(records) == manifest.plan.num_segments

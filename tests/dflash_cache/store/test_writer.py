@@ -225,6 +225,27 @@ def test_extraction_and_the_tee_commit_the_same_segment(tmp_path, codec):
 
 # --- finishing ----------------------------------------------------------------------------------
 
+def test_a_commit_made_while_the_index_is_written_is_indexed(tmp_path, monkeypatch):
+    """Two `--copy` runs ending together: the other run commits its last segment after this one
+    listed the commits; this run's index (the last written) must still cover it."""
+    from dflash_cache.store.destination import LocalDestination
+
+    manifest, _, _ = new_cache(tmp_path)
+    real_put = LocalDestination.put_parquet
+    late = []
+
+    def put_then_the_other_run_commits(self, rel, table):
+        real_put(self, rel, table)
+        if not late:
+            late.append(write_synthetic_segment(tmp_path, manifest))
+
+    monkeypatch.setattr(LocalDestination, "put_parquet", put_then_the_other_run_commits)
+    said: list[str] = []
+    finish_cache(tmp_path, said.append, 1.0)
+    assert late and said == ["complete: 1/1 segments, 60 tokens committed; this run took 1.0s"]
+    assert CacheReader(tmp_path).index_problem is None
+
+
 def test_finish_cache_indexes_the_commits_and_says_how_complete(tmp_path):
     manifest, _, _ = new_cache(tmp_path)
     said: list[str] = []
