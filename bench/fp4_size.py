@@ -2,9 +2,9 @@
 
 Why: `--codec fp4` stored 10,624 bytes/token on an H200 (5 x 4096, random-weight Qwen3-8B shape);
 the goal is <= 10,240. The e2m1 codes are 10,240 raw bytes of it, so the goal needs them
-compressed. This measures, for the codes of `FP4_LAYOUT` without sign XOR (`PLAIN_LAYOUT`,
-what fp4 stored before this study; sign XOR is one of the re-encodings below) and of groups of 64
-(lossy, for comparison):
+compressed. This measures, for the codes of `FP4_LAYOUT` without sign XOR and in one array
+(`PLAIN_LAYOUT`, what fp4 stored before this study; sign XOR is one of the re-encodings below)
+and of groups of 64 (lossy, for comparison):
 
 * bytes/token as stored: each array written with `dflash_cache.store.segments.write_array` (the
   store's sharding, Blosc, CRC32C) into a zarr LocalStore, shard files summed (zarr.json left out);
@@ -62,7 +62,7 @@ from dflash_cache.store.fp4 import (  # noqa: E402
 from dflash_cache.store.segments import chunk_rows, write_array  # noqa: E402
 
 QWEN3_SEQ = 512
-PLAIN_LAYOUT = dataclasses.replace(FP4_LAYOUT, sign_xor=False)  # the codes every re-encoding starts from
+PLAIN_LAYOUT = dataclasses.replace(FP4_LAYOUT, sign_xor=False, per_layer=False)  # what every re-encoding starts from
 SHUFFLE_IDS = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 
 
