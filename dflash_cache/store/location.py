@@ -39,7 +39,9 @@ from dflash_cache.store.segments import (
     SEGMENTS_DIR,
     Found,
     SegmentRecord,
+    committed_names,
     read_records,
+    record_files,
     records_from,
     segment_dir,
     segment_files,
@@ -75,6 +77,9 @@ class LocalCache:
 
     def records(self) -> list[SegmentRecord]:
         return read_records(self.root)
+
+    def committed_names(self) -> list[str]:
+        return committed_names(self.root)
 
     def size(self, name: str) -> int | None:
         """Bytes of a file at the root, or None if there is none."""
@@ -186,6 +191,14 @@ class RemoteCache:
         key = functools.partial(self._key_in, COMMITS_DIR)
         load = self._json_files({key(n): size for n, size in sizes.items() if n.endswith(".json")}, MAX_RECORD_BYTES)
         return records_from(sizes, lambda name: load(key(name)))
+
+    def committed_names(self) -> list[str]:
+        """The committed segments' names, sorted, from one listing (no record is fetched)."""
+        try:
+            listing = self.fs.ls(self._key(COMMITS_DIR), detail=False)
+        except FileNotFoundError:
+            return []
+        return [n[:-len(".json")] for n in record_files(str(entry).rsplit("/", 1)[-1] for entry in listing)]
 
     def size(self, name: str) -> int | None:
         try:

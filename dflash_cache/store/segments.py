@@ -165,13 +165,24 @@ def read_records(root: Path) -> list[SegmentRecord]:
     return records_from([p.name for p in commits.iterdir()], load)
 
 
+def committed_names(root: Path) -> list[str]:
+    """The committed segments' names, sorted, from one directory listing (no record is read)."""
+    commits = root / COMMITS_DIR
+    return [n[:-len(".json")] for n in record_files(p.name for p in commits.iterdir())] if commits.is_dir() else []
+
+
+def record_files(names: Iterable[str]) -> list[str]:
+    """The commit records' file names among the file names of a commits directory, sorted:
+    temporary files and strangers left out. Shared by local and remote caches."""
+    return sorted(n for n in names if not n.endswith(TMP_SUFFIX) and n.endswith(".json")
+                  and NAME_RE.match(n[:-len(".json")]))
+
+
 def records_from(names: Iterable[str], load: Callable[[str], Any]) -> list[SegmentRecord]:
-    """The commit records among the file names of a commits directory, each parsed from
-    `load(name)` (JSON) and checked; sorted by name. Shared by local and remote caches."""
+    """The commit records among the file names of a commits directory (`record_files`), each
+    parsed from `load(name)` (JSON) and checked; sorted by name."""
     records = []
-    for name in sorted(names):
-        if name.endswith(TMP_SUFFIX) or not name.endswith(".json") or not NAME_RE.match(name[:-len(".json")]):
-            continue
+    for name in record_files(names):
         try:
             obj = load(name)
         except (ValueError, OSError) as e:

@@ -156,22 +156,24 @@ def write_segment(directory: Path, *, packed: HostBatch, features: Mapping[str, 
 
 # --- finishing ----------------------------------------------------------------------------------
 
+MAX_INDEX_WRITES = 8
+
+
 def finish_cache(root: Out, echo: Callable[[str], None], seconds: float) -> None:
     """Rewrite the index from the commits and report how complete the cache is.
 
     Other runs (`--copy`) may commit while this one writes the index. So the commits are listed
-    again after each write, until a write covers what the listing after it finds: whichever run
-    writes last then wrote every commit made before its last listing, and each run's own commits
-    were all made before its first."""
+    again after each write (names only: one listing, no record read), until a write covers what
+    the listing after it finds: whichever run writes last then wrote every commit made before its
+    last listing, and each run's own commits were all made before its first."""
     dest = open_destination(root)
     with dest.guard():
         records = dest.records()
-        while True:
+        for attempt in range(MAX_INDEX_WRITES):  # bounded: the run committing last writes an index too
             dest.put_parquet(INDEX_FILE, index_table(records))
-            now = dest.records()
-            if [r.name for r in now] == [r.name for r in records]:
+            if attempt + 1 == MAX_INDEX_WRITES or dest.committed_names() == [r.name for r in records]:
                 break
-            records = now
+            records = dest.records()
         manifest = dest.manifest()
     tokens = sum(r.num_tokens for r in records)
     done = len(records) == manifest.plan.num_segments
