@@ -392,10 +392,11 @@ def codec_row(label: str, x: torch.Tensor) -> dict:
     t, width = x.shape
     arrays = to_stored_numpy(quantize_fp4(x, N_LAYERS, FP4_LAYOUT))
     specs = fp4_arrays(FP4_LAYOUT, N_LAYERS, width // N_LAYERS)
+    base = {part: key for key in (FP4_LAYOUT.codes_key, "scales") for part in FP4_LAYOUT.split_keys(key, N_LAYERS)}
     per_array: dict[str, float] = {}
     for key, a in arrays.items():
-        base = key.rsplit("_", 1)[0] if key.rsplit("_", 1)[-1].isdigit() else key
-        per_array[base] = per_array.get(base, 0.0) + stored_bytes(key, a, specs[key].compressors) / t
+        name = base.get(key, key)
+        per_array[name] = per_array.get(name, 0.0) + stored_bytes(key, a, specs[key].compressors) / t
     row = {"features": label, "layout": FP4_LAYOUT.description, "arrays": per_array,
            "bytes_per_token": sum(per_array.values())}
     print(json.dumps(row), flush=True)
