@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -156,6 +157,9 @@ def main() -> None:
     ap.add_argument("--loss-chunks", default="",
                     help="also time the resident batches with these LM-head loss chunk sizes (comma-separated "
                          "rows; the trainer's is 4096): fewer, larger products against more logits memory")
+    ap.add_argument("--loss-kernels", default="",
+                    help="also time the resident batches with these LM-head loss chunk kernels (comma-separated "
+                         "names from dflash_cache.train.loss.LOSS_KERNELS; the trainer's is triton)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -216,6 +220,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
                      "max_autotune": args.max_autotune,
+                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                      "step_tflops": flops.total / 1e12, "runs": {}}
     static_shape = trainer.static_shape
     compare = args.compare_dynamic and static_shape is not None
@@ -224,16 +229,18 @@ def main() -> None:
         t0 = time.perf_counter()
         timed_steps(trainer, iter(resident), min(3, len(resident)), device)
         print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
-    default_cfg = trainer.cfg
+    default_cfg, default_kernel = trainer.cfg, trainer.loss_kernel
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
+    kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
     for rnd in range(args.rounds):
-        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *codecs]:
+        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
+            trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if name in chunk_runs and rnd == 0:  # a new chunk size may compile the loss again: not timed
+                if (name in chunk_runs or name in kernel_runs) and rnd == 0:  # may compile the loss: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
@@ -248,24 +255,28 @@ def main() -> None:
             sec, tok = timed_steps(trainer, batches, args.steps, device)
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+            reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
             static = trainer.static_steps - static_before
-            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps, "peak_gib": peak, "first_2_steps_s": startup,
+            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps, "peak_gib": peak, "peak_reserved_gib": reserved,
+                   "first_2_steps_s": startup,
                    "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report}
             results["runs"].setdefault(name, []).append(run)
-            print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB;"
+            print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB "
+                  f"({reserved:.1f} reserved);"
                   f" page cache dropped: {dropped}; static-shape steps {static}", flush=True)
             print(report, flush=True)
     base = [r["tok_s"] for r in results["runs"]["resident"]]
     print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
     peak_flops = trainer.profiler.peak_flops
-    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | peak GPU GiB |\n"
+    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | peak GPU GiB (reserved) |\n"
           "|---|---:|---:|---:|---:|---:|")
     for name, runs in results["runs"].items():
         rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
         steps = " / ".join(f"{r['s_per_step']:.3f}" for r in runs)
         mfu = " / ".join(f"{flops.total / r['s_per_step'] / peak_flops:.1%}" if peak_flops else "-" for r in runs)
         ratios = " / ".join(f"{r['tok_s'] / b:.3f}" for r, b in zip(runs, base, strict=True))
-        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} |")
+        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} "
+              f"({max(r['peak_reserved_gib'] for r in runs):.1f}) |")
     if args.trace:
         results["trace"] = trace_steps(trainer, resident[:args.trace], device)
     if args.json:

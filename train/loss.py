@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dflash_cache.train.loss_kernel import logits_loss_and_grad_triton
+
 DEFAULT_EPS = 1e-6
 
 
@@ -17,8 +19,8 @@ def logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: to
 
     Returns (sum of weights * CE, correct [c], d loss / d logits in the logits' dtype, or None when
     `total_weight` is None). grad = (softmax - onehot(label)) * weights / total_weight. Every [c, V]
-    intermediate is updated in place, so eager execution holds one float32 copy of the logits;
-    compiled (`compiled_logits_loss_and_grad`) the whole chunk is a few passes over the bf16 logits.
+    intermediate is updated in place, so eager execution holds one float32 copy of the logits.
+    The other kernels in `LOSS_KERNELS` compute the same on the GPU in fewer passes.
     """
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
@@ -41,11 +43,22 @@ def compiled_logits_loss_and_grad() -> Callable:
     return torch.compile(logits_loss_and_grad, dynamic=True)
 
 
+# How a chunk's logits become its loss, argmax and gradient: "torch" runs `logits_loss_and_grad`
+# (any device); "inductor" compiles it (one generated reduction kernel per chunk); "triton" is the
+# hand-written two-pass kernel, which also writes the gradient over the logits (GPUs; the trainer's
+# default there).
+LOSS_KERNELS: dict[str, Callable[[], Callable]] = {
+    "torch": lambda: logits_loss_and_grad,
+    "inductor": compiled_logits_loss_and_grad,
+    "triton": lambda: logits_loss_and_grad_triton,
+}
+
+
 class _ChunkedWeightedCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, the gradient wrt `hidden`; backward only scales it.
 
-    Peak extra memory: one chunk's [chunk_size, V] logits and their float32 softmax, and grad_hidden
-    [M, H]. The two matrix products run in the head's dtype (bf16 on the GPU: tensor cores, float32
+    Peak extra memory: one chunk's [chunk_size, V] logits (with the "torch" kernel also their float32
+    softmax; "inductor" also their gradient), and grad_hidden [M, H]. The two matrix products run in the head's dtype (bf16 on the GPU: tensor cores, float32
     accumulation) and the softmax in float32; a float32 head keeps everything float32.
     """
 
@@ -85,14 +98,14 @@ class _ChunkedWeightedCE(torch.autograd.Function):
 
 def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor,
                         weights: torch.Tensor, chunk_size: int = 4096, eps: float = DEFAULT_EPS, *,
-                        compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, correct) for hidden [M, H] through the frozen lm_head_weight [V, H].
 
     loss = sum_m weights[m] * CE(logits[m], labels[m]) / max(sum(weights), eps), a float32 scalar
     differentiable wrt `hidden` only; correct = bool [M], argmax(logits[m]) == labels[m]. Rows with
     weight 0 contribute nothing (their label may be -100). Logits exist one chunk at a time, in
     float32; the gradient wrt `hidden` is computed in the forward pass and kept as [M, H].
-    `compiled` runs each chunk's softmax, loss and gradient as torch.compile kernels (GPUs).
+    `kernel` names how each chunk's softmax, loss and gradient run (`LOSS_KERNELS`).
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head_weight {tuple(lm_head_weight.shape)} "
@@ -102,11 +115,13 @@ def chunked_weighted_ce(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labe
                          f"[{hidden.shape[0]}]")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"unknown loss kernel {kernel!r}; choose one of {sorted(LOSS_KERNELS)}")
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight must be frozen (requires_grad=False); this loss gives it no gradient")
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     return _ChunkedWeightedCE.apply(hidden, lm_head_weight, labels.long(), weights, chunk_size, eps, need_grad,
-                                    compiled_logits_loss_and_grad() if compiled else logits_loss_and_grad)
+                                    LOSS_KERNELS[kernel]())
 
 
 def slot_accuracy(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

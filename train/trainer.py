@@ -113,6 +113,9 @@ class Trainer:
         self.static_shape = StaticShape.for_run(largest_batch=max(cfg.token_budget, source.longest_sample())) \
             if self.compiled else None
         self.static_steps = 0  # steps of this process that ran the static-shape graph
+        # The LM-head loss's chunk kernel (dflash_cache.train.loss.LOSS_KERNELS): with --no-compile,
+        # plain torch, so that no Triton build is needed at all.
+        self.loss_kernel = "triton" if self.compiled else "torch"
         if self.compiled:
             keep_compiled_kernels_in(self.out)
             self.model.compile_layers()
@@ -262,7 +265,7 @@ class Trainer:
             scored = hidden.view(a, b, h)[:, 1:].reshape(a * (b - 1), h)  # explicit sizes: a may be 0
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
-                                                compiled=self.compiled)
+                                                kernel=self.loss_kernel)
         with profiler.device_span("drafter.backward", stream):
             loss.backward()
         return loss, correct

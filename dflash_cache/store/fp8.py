@@ -40,9 +40,10 @@ variable changed after triton's import is detected and refused with a RuntimeErr
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from dflash_cache.triton_support import check_triton_device, on_device_of, require_triton, triton_available
 
 __all__ = [
     "E4M3_MAX",
@@ -162,64 +163,19 @@ def dequantize_fp8_torch(
 # Triton path
 
 tl = None  # triton.language, bound on first kernel build (the import is lazy)
-
-
-@functools.cache
-def triton_available() -> bool:
-    """True when `import triton` works (it is a Linux-only dependency)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _env_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
-
-
-def _interpret_mode() -> bool:
-    """Whether Triton kernels run in the interpreter; call only once triton is importable.
-
-    triton 3.9 reads TRITON_INTERPRET when `@triton.jit` decorates a function, and triton.language's
-    own jit helpers (`tl.max`, ...) are decorated when triton is imported, so the variable must be set
-    before `import triton`. Changing it afterwards cannot work; that is refused here with a clear error.
-    """
-    env = _env_interpret()
-    try:
-        import triton.language as tl_mod
-        from triton.runtime.interpreter import InterpretedFunction
-
-        imported_interpreted = isinstance(tl_mod.max, InterpretedFunction)
-    except Exception:  # layout of a future triton: trust the variable
-        return env
-    if imported_interpreted != env:
-        raise RuntimeError(
-            f"fp8: TRITON_INTERPRET is {'set' if env else 'unset'} now but was "
-            f"{'set' if imported_interpreted else 'unset'} when triton was imported; set it before "
-            "anything imports triton (e.g. in the environment of the process)"
-        )
-    return env
+_WHO = "fp8"
 
 
 def _kernels():
-    if not triton_available():
-        raise RuntimeError(
-            "fp8: the Triton kernels need the `triton` package, which is not importable here; "
-            "use quantize_fp8/dequantize_fp8 (they fall back to torch) or the *_torch functions"
-        )
-    return _build_kernels(_interpret_mode())
-
-
-def _triton_interpreted() -> bool:
-    return triton_available() and _interpret_mode()
+    interpret = require_triton(_WHO, "use quantize_fp8/dequantize_fp8 (they fall back to torch) or the *_torch "
+                                     "functions")
+    return _build_kernels(interpret)
 
 
 @functools.cache
 def _build_kernels(interpret: bool):
     # `interpret` only keys the cache: triton reads TRITON_INTERPRET when @triton.jit runs below
-    # (and _interpret_mode() has checked it agrees with how triton.language was set up).
+    # (and require_triton has checked it agrees with how triton.language was set up).
     # Kernels resolve names through this module's globals (neither compiled Triton nor the
     # interpreter sees closure variables), hence the `global` binding of `tl`.
     global tl
@@ -329,22 +285,11 @@ def _launch_config(t: int, h: int) -> tuple[int, int, int]:
     return block_t, block_h, num_warps
 
 
-def _check_triton_device(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        return
-    if t.device.type == "cpu" and _triton_interpreted():
-        return
-    raise RuntimeError(
-        f"fp8: the Triton kernels need CUDA tensors (got a {t.device} tensor); on CPU they run only under "
-        "the Triton interpreter, i.e. with TRITON_INTERPRET=1 set before the first kernel call"
-    )
-
-
 def quantize_fp8_triton(x: torch.Tensor, n_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `quantize_fp8_torch` (CUDA, or CPU under TRITON_INTERPRET=1); same bytes."""
     h = _check_quantize_args(x, n_layers)
     _, qk, _ = _kernels()
-    _check_triton_device(x)
+    check_triton_device(x, _WHO)
     t = x.shape[0]
     q = torch.empty((t, n_layers * h), dtype=torch.uint8, device=x.device)
     scales = torch.empty((t, n_layers), dtype=torch.float32, device=x.device)
@@ -352,7 +297,7 @@ def quantize_fp8_triton(x: torch.Tensor, n_layers: int) -> tuple[torch.Tensor, t
         return q, scales
     block_t, block_h, num_warps = _launch_config(t, h)
     grid = (-(-t // block_t), n_layers)
-    with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+    with on_device_of(x):
         qk[grid](
             x,
             q,
@@ -376,7 +321,7 @@ def dequantize_fp8_triton(
     """Triton version of `dequantize_fp8_torch` (CUDA, or CPU under TRITON_INTERPRET=1); same bytes."""
     h = _check_dequantize_args(q, scales, n_layers, out)
     _, _, dk = _kernels()
-    _check_triton_device(q)
+    check_triton_device(q, _WHO)
     t = q.shape[0]
     if out is None:
         out = torch.empty((t, n_layers * h), dtype=torch.bfloat16, device=q.device)
@@ -384,7 +329,7 @@ def dequantize_fp8_triton(
         return out
     block_t, block_h, num_warps = _launch_config(t, h)
     grid = (-(-t // block_t), n_layers)
-    with torch.cuda.device(q.device) if q.is_cuda else _nullcontext():
+    with on_device_of(q):
         dk[grid](
             q,
             scales,
@@ -402,14 +347,6 @@ def dequantize_fp8_triton(
             num_warps=num_warps,
         )
     return out
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,29 +64,35 @@ def test_training_on_cuda_learns(demo_cache, tmp_path):
 
 
 @needs_cuda
-def test_compiled_loss_matches_eager():
-    """The compiled chunk kernels give the eager loss, accuracy and gradient (bf16 head, float32
-    softmax), including rows with weight 0 and label -100 and a short last chunk."""
+@pytest.mark.parametrize("kernel", ["inductor", "triton"])
+@pytest.mark.parametrize("vocab", [5003, 151936])
+def test_gpu_loss_kernels_match_torch(kernel, vocab):
+    """The compiled and the Triton chunk kernels give the torch loss, accuracy and gradient (bf16 head,
+    float32 softmax), including rows with weight 0 and label -100, a short last chunk, and a vocabulary
+    of Qwen3's size."""
     from dflash_cache.train.loss import chunked_weighted_ce
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    m, h, v = 3000, 256, 5003
+    m, h = 3000, 256
     hidden = torch.randn(m, h, generator=g).to(dev)
-    head = (torch.randn(v, h, generator=g) * 0.05).to(dev, torch.bfloat16)
-    labels = torch.randint(0, v, (m,), generator=g).to(dev)
+    head = (torch.randn(vocab, h, generator=g) * 0.05).to(dev, torch.bfloat16)
+    labels = torch.randint(0, vocab, (m,), generator=g).to(dev)
     weights = torch.rand(m, generator=g).to(dev)
     weights[::7], labels[::7] = 0.0, -100
     results = []
-    for compiled in (False, True):
+    for k in ("torch", kernel):
         x = hidden.clone().requires_grad_(True)
-        loss, correct = chunked_weighted_ce(x, head, labels, weights, chunk_size=1024, compiled=compiled)
+        loss, correct = chunked_weighted_ce(x, head, labels, weights, chunk_size=1024, kernel=k)
         loss.backward()
         results.append((loss.detach(), correct, x.grad))
     (l0, c0, g0), (l1, c1, g1) = results
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
     assert torch.equal(c1, c0)
-    torch.testing.assert_close(g1, g0, rtol=1e-3, atol=1e-7)
+    # The logits' gradient is rounded to bf16 once; a float32 ulp of difference in the log-sum-exp
+    # flips a few of those roundings (on the H200: 1-4 of 768,000 hidden-gradient entries off by
+    # <= 2.4e-7, i.e. up to 0.7% of an entry near zero), so the bound is relative to the largest entry.
+    torch.testing.assert_close(g1, g0, rtol=1e-3, atol=1e-2 * float(g0.abs().max()))
 
 
 def _drafter_case(dev: torch.device, lengths: list[int], seed: int):

@@ -144,3 +144,9 @@ def test_rows_of_weight_zero_can_be_left_out():
     torch.testing.assert_close(loss_part, loss_full)
     torch.testing.assert_close(part.grad, full.grad[keep])
     assert torch.equal(correct_part, correct_full[keep]) and not full.grad[~keep].any()
+
+
+def test_unknown_kernel_is_refused():
+    hidden, head, labels, weights = make()
+    with pytest.raises(ValueError, match="unknown loss kernel 'fused'"):
+        chunked_weighted_ce(hidden, head, labels, weights, kernel="fused")
