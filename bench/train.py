@@ -57,6 +57,7 @@ from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
+from dflash_cache.train.memory import prefer_expandable_segments  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
@@ -166,6 +167,7 @@ def main() -> None:
                     help="then trace N resident steps with torch.profiler: top kernels, host syncs, GPU busy share")
     add_common_args(ap, "/tmp/dflash-bench-train")
     args = ap.parse_args()
+    prefer_expandable_segments()  # as `dflash-cache train` does, before the first CUDA allocation
     device = start_logging_and_device()
     if args.max_autotune:
         import torch._inductor.config as inductor_config
@@ -290,7 +292,7 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
 
     sync(device)
     retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for batch in batches:
             trainer.train_step(batch)
         sync(device)
@@ -309,10 +311,28 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
                                                                    for k, (n, us) in waits.items()},
            "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
            "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
-           "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)}
+           "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=30),
+           "matmuls": matmul_rates(prof, len(batches))}
     print(out["kernels"])
+    print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
+    for r in out["matmuls"]:
+        print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
     print({k: v for k, v in out.items() if k != "kernels"}, flush=True)
     return out
+
+
+def matmul_rates(prof, steps: int) -> list[dict]:
+    """Device time and FLOP rate of each matrix-product shape in the trace (aten::mm, which the
+    compiled graphs call too), slowest first: which products run below the rest."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key != "aten::mm" or len(e.input_shapes) < 2 or not all(e.input_shapes[:2]):
+            continue
+        (m, k), (_, n) = e.input_shapes[0][:2], e.input_shapes[1][:2]
+        us = e.device_time_total
+        rows.append({"shapes": f"[{m}, {k}] x [{k}, {n}]", "calls_per_step": e.count / steps,
+                     "ms_per_step": us / 1e3 / steps, "tflops": 2 * m * k * n * e.count / us / 1e6 if us else 0.0})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
 if __name__ == "__main__":

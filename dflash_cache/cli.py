@@ -83,8 +83,10 @@ def regenerate(cfg: RegenerateConfig, device: str) -> None:
 def train(cfg: TrainConfig, device: str) -> None:
     """Phase 2: train a DFlash drafter from a cache (or --live from the target); exports to OUT/export."""
     from dflash_cache.train.interrupt import TrainingInterrupted
+    from dflash_cache.train.memory import prefer_expandable_segments
     from dflash_cache.train.trainer import train as run_train
 
+    prefer_expandable_segments()
     try:
         last = run_train(cfg, device)
     except TrainingInterrupted as e:

@@ -54,6 +54,20 @@ LOSS_KERNELS: dict[str, Callable[[], Callable]] = {
 }
 
 
+CHUNK_ALIGN = 128  # rows: a multiple of the matrix-product tile height
+
+
+def even_chunk_rows(m: int, chunk_size: int) -> int:
+    """Rows per chunk when `m` rows go through in chunks of at most `chunk_size`: as few chunks as
+    that allows, of about equal size (a multiple of CHUNK_ALIGN where that fits). A short last chunk
+    runs its two vocabulary-wide products well below the others' rate (H200: 2,048 rows at 0.85 of
+    4,096 rows' FLOP rate)."""
+    n_chunks = max(1, -(-m // chunk_size))
+    rows = max(1, -(-m // n_chunks))  # 1 for no rows: the loop below then runs no chunk
+    aligned = -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
+    return aligned if aligned <= chunk_size else rows
+
+
 class _ChunkedWeightedCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, the gradient wrt `hidden`; backward only scales it.
 
@@ -71,8 +85,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, m, chunk_size):
-            end = min(start + chunk_size, m)
+        rows = even_chunk_rows(m, chunk_size)
+        for start in range(0, m, rows):
+            end = min(start + rows, m)
             logits = hidden[start:end].detach().to(head.dtype) @ head.T
             part, correct[start:end], grad_logits = chunk_fn(logits, labels[start:end], w_all[start:end],
                                                                  total_w if need_grad else None)

@@ -119,3 +119,26 @@ def fit_max_anchors(cfg: DrafterConfig, device: torch.device, *, context_tokens:
              "--max-anchors to choose", fits, where, context_tokens,
              model.bytes(fits, cfg.block_size, context_tokens) / GIB)
     return fits
+
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch >= 2.9's name, and the older one
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> bool:
+    """Have the CUDA allocator grow segments in place rather than cache fixed blocks, unless the user
+    configured it. Call before the first CUDA allocation; returns whether it set the variable.
+
+    On the bench configuration (README, "Phase 2 speed") this kept 2.7 GiB less reserved beyond what
+    the step allocates, at the same step time: memory the anchor cap and other processes can use.
+    """
+    if any(os.environ.get(v) for v in ALLOC_CONF_VARS):
+        return False
+    if torch.cuda.is_initialized():  # too late: the allocator has read its settings
+        log.debug("CUDA is already initialised; the allocator keeps its settings")
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    if torch.cuda.is_available():
+        log.info("CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=%s (set the variable to choose otherwise)",
+                 EXPANDABLE_SEGMENTS)
+    return True

@@ -150,3 +150,13 @@ def test_unknown_kernel_is_refused():
     hidden, head, labels, weights = make()
     with pytest.raises(ValueError, match="unknown loss kernel 'fused'"):
         chunked_weighted_ce(hidden, head, labels, weights, kernel="fused")
+
+
+@pytest.mark.parametrize("m, chunk, rows", [(30720, 4096, 3840), (30720, 8192, 7680), (4096, 4096, 4096),
+                                            (100, 4096, 128), (37, 7, 7), (37, 8, 8), (0, 4096, 128)])
+def test_chunks_are_even_and_aligned_where_that_fits(m, chunk, rows):
+    from dflash_cache.train.loss import even_chunk_rows
+
+    got = even_chunk_rows(m, chunk)
+    assert got == rows
+    assert got <= chunk and -(-m // got) == -(-m // chunk)  # never more chunks than chunk_size gives

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from bench.common import bench_drafter_config
 from dflash_cache.errors import UserError
-from dflash_cache.train.memory import GIB, fit_max_anchors, step_memory
+from dflash_cache.train.memory import (
+    ALLOC_CONF_VARS,
+    GIB,
+    fit_max_anchors,
+    prefer_expandable_segments,
+    step_memory,
+)
 
 QWEN3_8B = bench_drafter_config(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, layers=5,
                                 block=16, layer_ids=(1, 9, 17, 25, 33))
@@ -34,3 +42,34 @@ def test_default_cap_fits_an_80_gb_gpu_and_an_explicit_excess_is_refused_with_wh
 def test_a_token_budget_beyond_the_device_is_refused_naming_the_largest_that_fits():
     with pytest.raises(UserError, match="lower --token-budget to at most"):
         fit_max_anchors(QWEN3_8B, CUDA, context_tokens=10**6, max_anchors=None, available=24 * GIB)
+
+
+@pytest.mark.parametrize("user_var", [None, *ALLOC_CONF_VARS])
+def test_expandable_segments_are_preferred_unless_the_user_chose(monkeypatch, user_var):
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if user_var is not None:
+        monkeypatch.setenv(user_var, "max_split_size_mb:256")
+    assert prefer_expandable_segments() is (user_var is None)
+    if user_var is None:
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    else:
+        assert os.environ[user_var] == "max_split_size_mb:256"
+        assert all(v == user_var or v not in os.environ for v in ALLOC_CONF_VARS)
+
+
+def test_the_train_command_prefers_expandable_segments(monkeypatch, tmp_path):
+    """`dflash-cache train` sets the allocator up before anything touches CUDA."""
+    from click.testing import CliRunner
+
+    from dflash_cache import cli
+    from dflash_cache.train import trainer
+
+    for var in ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    seen = {}
+    monkeypatch.setattr(trainer, "train", lambda cfg, device: seen.setdefault("conf", os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF")))
+    res = CliRunner().invoke(cli.cli, ["train", "--target", "tiny", "--cache", str(tmp_path / "c"),
+                                        "--out", str(tmp_path / "o")])
+    assert seen == {"conf": "expandable_segments:True"}, res.output
