@@ -1,0 +1,72 @@
+"""The loss's two vocabulary-wide matrix products alone, in the forms they could take.
+
+In a traced training step (bench/train.py --trace) these ran at ~620 TFLOP/s on an H200 where the
+drafter's own products ran at 690-800. This times each product by itself (CUDA events through
+triton.testing.do_bench, median), for several chunk heights and for the operand orders that give
+the same result: which form, if any, the loss should use.
+
+  logits = hidden @ head.T        [c, H] x [H, V]
+  grad   = grad_logits @ head     [c, V] x [V, H]   (or (head.T @ grad_logits.T).T)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def forms(hidden: torch.Tensor, grad_logits: torch.Tensor, head: torch.Tensor) -> dict:
+    """(product, form) -> a call computing it."""
+    return {
+        ("logits", "hidden @ head.T"): lambda: hidden @ head.T,
+        ("logits", "(head @ hidden.T).T"): lambda: (head @ hidden.T).T,
+        ("grad", "grad_logits @ head"): lambda: grad_logits @ head,
+        ("grad", "(head.T @ grad_logits.T).T"): lambda: (head.T @ grad_logits.T).T,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--rows", default="2048,3840,4096,7680,15360", help="chunk heights to time")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/lm_head.py needs a CUDA device")
+    from triton.testing import do_bench
+
+    dev = torch.device("cuda")
+    h, v = args.hidden, args.vocab
+    head = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * 0.02
+    peak = None
+    try:
+        from dflash_cache.train.flops import device_peak_flops
+
+        peak = device_peak_flops(dev)
+    except Exception:  # a script to read numbers from: the peak is a convenience
+        pass
+    results = []
+    print("| rows | product | form | ms | TFLOP/s |\n|---:|---|---|---:|---:|")
+    for c in (int(r) for r in args.rows.split(",")):
+        hidden = torch.randn(c, h, device=dev, dtype=torch.bfloat16)
+        grad_logits = torch.randn(c, v, device=dev, dtype=torch.bfloat16) * 1e-3
+        flop = 2 * c * h * v
+        for (product, form), fn in forms(hidden, grad_logits, head).items():
+            ms = do_bench(fn, warmup=50, rep=300, return_mode="median")
+            tflops = flop / ms / 1e9
+            results.append({"rows": c, "product": product, "form": form, "ms": ms, "tflops": tflops})
+            print(f"| {c} | {product} | `{form}` | {ms:.2f} | {tflops:.0f} |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "peak_flops": peak,
+                                               "hidden": h, "vocab": v, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
