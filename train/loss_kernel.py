@@ -3,9 +3,9 @@
 `logits_loss_and_grad_triton` computes what `dflash_cache.train.loss.logits_loss_and_grad` does, in
 two passes over each row of the [c, V] logits: the first keeps a running max, rescaled sum of
 exponentials and first argmax (one exp per element); the second writes (softmax - onehot) * weight
-/ total over the logits themselves. The logits are read twice and written once, where inductor's
-kernel for the same function took ~2.6 ms per 4096 x 151,936 chunk on an H200, ~3x the time those
-bytes take at memory speed. Writing the gradient in place also drops the second [c, V] buffer.
+/ total over the logits themselves. The logits are read twice and written once: on an H200 this
+takes 10.2 ms for a step's 30,720 x 151,936 bf16 logits (in 4,096-row chunks), where inductor's
+kernel for the same function took 20.7 ms. Writing the gradient in place also drops the second [c, V] buffer.
 
 Rounding differs from the eager function by float32 ulps (the log-sum-exp is accumulated block by
 block), and the float32 -> bf16 rounding of the gradient is the GPU's round-to-nearest-even; the
