@@ -91,7 +91,7 @@ class TrainConfig:
     warmup_ratio: float = option(0.04, min=0, max=1, cli=False)
     weight_decay: float = option(0.0, min=0, cli=False)
     grad_clip: float = option(1.0, cli=False)
-    loss_chunk: int = option(4096, min=1, cli=False)  # tokens per chunk of the LM-head loss (memory)
+    loss_chunk: int = option(4096, min=1, cli=False)  # most rows per LM-head loss chunk (memory); chunks are equal
     mask_token_id: int | None = option(None, min=0, cli=False)
 
     def __post_init__(self) -> None:
