@@ -20,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_cache.train.flops import device_peak_flops  # noqa: E402
+
 
 def forms(hidden: torch.Tensor, grad_logits: torch.Tensor, head: torch.Tensor) -> dict:
     """(product, form) -> a call computing it."""
@@ -45,13 +47,7 @@ def main() -> None:
     dev = torch.device("cuda")
     h, v = args.hidden, args.vocab
     head = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * 0.02
-    peak = None
-    try:
-        from dflash_cache.train.flops import device_peak_flops
-
-        peak = device_peak_flops(dev)
-    except Exception:  # a script to read numbers from: the peak is a convenience
-        pass
+    peak = device_peak_flops(dev)
     results = []
     print("| rows | product | form | ms | TFLOP/s |\n|---:|---|---|---:|---:|")
     for c in (int(r) for r in args.rows.split(",")):

@@ -57,7 +57,7 @@ from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
-from dflash_cache.train.memory import prefer_expandable_segments  # noqa: E402
+from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
@@ -222,7 +222,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
                      "max_autotune": args.max_autotune,
-                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                     "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
                      "step_tflops": flops.total / 1e12, "runs": {}}
     static_shape = trainer.static_shape
     compare = args.compare_dynamic and static_shape is not None
@@ -317,13 +317,13 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
     print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
     for r in out["matmuls"]:
         print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
-    print({k: v for k, v in out.items() if k != "kernels"}, flush=True)
+    print({k: v for k, v in out.items() if k not in ("kernels", "matmuls")}, flush=True)
     return out
 
 
 def matmul_rates(prof, steps: int) -> list[dict]:
     """Device time and FLOP rate of each matrix-product shape in the trace (aten::mm, which the
-    compiled graphs call too), slowest first: which products run below the rest."""
+    compiled graphs call too), most device time first: which products run below the rest."""
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key != "aten::mm" or len(e.input_shapes) < 2 or not all(e.input_shapes[:2]):
