@@ -243,6 +243,37 @@ def test_flex_spans_multiple_kernel_blocks():
         check_flex_agrees(doc, pos, blocks, window)
 
 
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize(("lengths", "B", "pad"), [([700, 300, 1000], 16, 0), ([150, 90, 620], 12, 77),
+                                                   ([2000], 8, 128), ([64] * 6, 5, 0)])
+def test_full_attention_layout_is_create_block_mask_s(lengths, B, pad):
+    """The full-attention BlockMask laid out from each query's key ranges has exactly the partial and
+    full blocks (and their order) that evaluating the rule on every pair gives: several documents,
+    blocks that straddle 128-row tiles, a context padded with rows no query sees (static shapes)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_cache.train.masks import _mask_mod
+    from dflash_cache.train.static_shapes import Context
+
+    batch = make_batch(lengths, seed=B, p_sup=0.95)
+    blocks = sample_anchors(batch, block_size=B, num_anchors=40, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(B))
+    doc, pos = context_doc_pos(batch)
+    ctx = Context(features=batch.features, positions=pos, docs=doc).padded_to(batch.num_tokens + pad)
+    q_len, kv_len = blocks.num_anchors * B, ctx.rows + blocks.num_anchors * B
+    laid_out = flex_block_mask(ctx.docs, ctx.positions, blocks, sliding_window=None)
+    evaluated = create_block_mask(_mask_mod(ctx.docs, ctx.positions, blocks, None), None, None, q_len, kv_len,
+                                  device="cpu")
+    assert int(laid_out.kv_num_blocks.sum()) > 0
+    assert (int(laid_out.full_kv_num_blocks.sum()) > 0) == (max(lengths) > 256)  # documents of 2+ tiles have full ones
+    for name in BLOCK_MASK_FIELDS:
+        assert torch.equal(getattr(laid_out, name), getattr(evaluated, name)), name
+    assert laid_out.seq_lengths == evaluated.seq_lengths
+
+
 def test_empty_blocks():
     batch = make_batch([5, 6])
     blocks = sample_anchors(batch, block_size=4, num_anchors=8, mask_token_id=MASK,
