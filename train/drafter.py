@@ -167,6 +167,15 @@ def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn) -> to
     return layer(x, context, rope, mask, flex_fn)
 
 
+def _fuse_context(fc: nn.Linear, norm: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """The target features fused into the drafter's context: fc, then hidden_norm."""
+    return norm(fc(features.to(fc.weight.dtype)))
+
+
+def _final_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
 class DFlashDrafter(nn.Module):
     """fc + hidden_norm fuse the target features into the context; `layers` denoise the blocks.
 
@@ -185,6 +194,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.flex_attention_fn = default_flex_attention
         self._layer_runners: tuple | None = None  # (dynamic, static) compiled, once compile_layers ran
+        self._edge_runners: tuple = (_fuse_context, _final_norm)  # compiled by compile_layers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -199,6 +209,10 @@ class DFlashDrafter(nn.Module):
         cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`)."""
         self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True),
                                torch.compile(_run_layer_static, dynamic=False))
+        # The norms before and after the layers too: eager, each is several float32 passes over
+        # [tokens, hidden] in forward and more in backward (on an H200, with the layers compiled, the
+        # bench step went from 0.526-0.530 s to 0.513 and its peak memory fell by 1 GiB).
+        self._edge_runners = (torch.compile(_fuse_context, dynamic=True), torch.compile(_final_norm, dynamic=True))
         self.flex_attention_fn = flex_attention
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
@@ -207,7 +221,8 @@ class DFlashDrafter(nn.Module):
         masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
         final norm. `static`: the shapes are the run's static shape (compiled layers only)."""
         dtype = self.dtype
-        context = self.hidden_norm(self.fc(features.to(dtype)))
+        fuse_context, final_norm = self._edge_runners
+        context = fuse_context(self.fc, self.hidden_norm, features)
         x = block_embeds.to(dtype)
         rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
         run = self._layer_runners[static] if self._layer_runners is not None else _run_layer_dynamic
@@ -217,7 +232,7 @@ class DFlashDrafter(nn.Module):
             except KeyError:
                 raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
             x = run(layer, x, context, rope, mask, self.flex_attention_fn)
-        return self.norm(x)
+        return final_norm(self.norm, x)
 
 
 def init_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
