@@ -35,6 +35,7 @@ SETTINGS: dict[str, dict] = {
     "bwd 32/128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
                    "bwd_num_warps": 4, "bwd_num_stages": 3},
     "tma": {"USE_TMA": True},
+    "flash": {"BACKEND": "FLASH"},  # flash-attention 4's CuTe kernels; needs the flash-attn-4 package
 }
 
 

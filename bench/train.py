@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,6 +63,16 @@ from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)
+
+
+def flash_flex_attention(q, k, v, **kwargs):
+    """FlexAttention lowered to flash-attention 4's CuTe kernels (torch's BACKEND="FLASH") instead of
+    inductor's Triton template: static shapes only (torch 2.11 refuses it in the dynamic-shape graph),
+    and it needs the flash-attn-4 package."""
+    return flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"}, **kwargs)
+
+
+ATTENTION_FNS = {"flash": flash_flex_attention}
 
 
 def shapes(small: bool) -> dict:
@@ -161,6 +172,9 @@ def main() -> None:
     ap.add_argument("--loss-kernels", default="",
                     help="also time the resident batches with these LM-head loss chunk kernels (comma-separated "
                          "names from dflash_cache.train.loss.LOSS_KERNELS; the trainer's is triton)")
+    ap.add_argument("--attention-kernels", default="",
+                    help="also time the resident batches with FlexAttention lowered another way: 'flash' "
+                         "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -234,15 +248,19 @@ def main() -> None:
     default_cfg, default_kernel = trainer.cfg, trainer.loss_kernel
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
+    attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
+    default_attention = trainer.model.flex_attention_fn
     for rnd in range(args.rounds):
-        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs, *codecs]:
+        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
+                     *attention_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
+            trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if (name in chunk_runs or name in kernel_runs) and rnd == 0:  # may compile the loss: not timed
+                if name in {**chunk_runs, **kernel_runs, **attention_runs} and rnd == 0:  # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
@@ -311,7 +329,7 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
                                                                    for k, (n, us) in waits.items()},
            "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
            "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
-           "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=30),
+           "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=45),
            "matmuls": matmul_rates(prof, len(batches))}
     print(out["kernels"])
     print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
@@ -323,13 +341,15 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
 
 def matmul_rates(prof, steps: int) -> list[dict]:
     """Device time and FLOP rate of each matrix-product shape in the trace (aten::mm, which the
-    compiled graphs call too), most device time first: which products run below the rest."""
+    compiled graphs call too), most device time first: which products run below the rest. The time
+    is the op's self device time, its kernels alone: its total also holds the profiler's "Command
+    Buffer Full" waits, which made some rows' rates look far lower than they are."""
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key != "aten::mm" or len(e.input_shapes) < 2 or not all(e.input_shapes[:2]):
             continue
         (m, k), (_, n) = e.input_shapes[0][:2], e.input_shapes[1][:2]
-        us = e.device_time_total
+        us = e.self_device_time_total
         rows.append({"shapes": f"[{m}, {k}] x [{k}, {n}]", "calls_per_step": e.count / steps,
                      "ms_per_step": us / 1e3 / steps, "tflops": 2 * m * k * n * e.count / us / 1e6 if us else 0.0})
     return sorted(rows, key=lambda r: -r["ms_per_step"])
