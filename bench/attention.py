@@ -4,6 +4,8 @@ The bench configuration's attention (32 query / 8 key-value heads of 128, 4 docu
 tokens with 10% prompt, 512 anchors per document, block 16: 32,768 queries over 45,056 keys), the
 mask built by the trainer's own code. Each setting compiles its own flex_attention; the table gives
 milliseconds per call and TFLOP/s over the pairs the mask admits (what `train.flops` counts).
+"key-range mask_mod" runs the same blocks with `key_range_mask_mod` (a candidate) in place of the
+trainer's mask_mod, the general rule.
 `--small` runs a shrunken case on a CPU (eager, forward only) to check the script.
 """
 
@@ -16,14 +18,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import start_logging_and_device  # noqa: E402
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
-from dflash_cache.train.masks import build_masks, context_doc_pos  # noqa: E402
+from dflash_cache.train.masks import build_masks, context_doc_pos, key_range_mask_mod  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
     "default": {},
@@ -35,8 +37,11 @@ SETTINGS: dict[str, dict] = {
     "bwd 32/128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
                    "bwd_num_warps": 4, "bwd_num_stages": 3},
     "tma": {"USE_TMA": True},
-    "flash": {"BACKEND": "FLASH"},  # flash-attention 4's CuTe kernels; needs the flash-attn-4 package
+    "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
 }
+# The same blocks with the full-attention rule as key ranges (three int32 lookups per query block,
+# where the trainer's mask_mod, the general rule, makes eight int64 lookups per pair): default options.
+RANGE_MASK = "key-range mask_mod"
 
 
 def case(device: torch.device, small: bool):
@@ -54,13 +59,16 @@ def case(device: torch.device, small: bool):
     doc, ctx_pos = context_doc_pos(batch)
     mask = build_masks(doc, ctx_pos, blocks, layer_types=("full_attention",), sliding_window=None,
                        backend="flex", compile=device.type == "cuda")["full_attention"]
+    range_mask = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                          mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE,
+                                          mask_mod=key_range_mask_mod(blocks, t), seq_lengths=mask.seq_lengths)
     q_len, kv_len = blocks.num_anchors * block, t + blocks.num_anchors * block
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, n, d, generator=g).to(device, dtype)
                for h, n in ((heads, q_len), (kv, kv_len), (kv, kv_len)))
     pairs = block * blocks.prefix_keys + blocks.num_anchors * block * block
-    return mask, q, k, v, 4 * pairs * d * heads
+    return {"": mask, RANGE_MASK: range_mask}, q, k, v, 4 * pairs * d * heads
 
 
 def timed(fn, device, reps: int) -> float:
@@ -82,11 +90,11 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "
-                    + ", ".join(SETTINGS) + ", autotune")
+                    + ", ".join(SETTINGS) + f", autotune, {RANGE_MASK}")
     args = ap.parse_args()
     device = start_logging_and_device()
-    mask, q, k, v, fwd_flops = case(device, args.small)
-    print(f"{q.shape[2]:,} queries x {k.shape[2]:,} keys; mask sparsity {mask.sparsity():.1f}%; "
+    masks, q, k, v, fwd_flops = case(device, args.small)
+    print(f"{q.shape[2]:,} queries x {k.shape[2]:,} keys; mask sparsity {masks[''].sparsity():.1f}%; "
           f"{fwd_flops / 1e12:.2f} TFLOP forward over the admitted pairs", flush=True)
     print("| setting | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---:|---:|---:|---:|")
     for name in args.settings.split(","):
@@ -97,7 +105,8 @@ def main() -> None:
             fn = torch.compile(flex_attention, dynamic=False,
                                mode="max-autotune-no-cudagraphs" if name == "autotune" else None)
         qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
-        forward = functools.partial(fn, qg, kg, vg, block_mask=mask, enable_gqa=True, kernel_options=options or None)
+        forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
+                                    kernel_options=options or None)
         try:
             f = timed(forward, device, args.reps)
             fb = timed(lambda call=forward: call().sum().backward(), device, args.reps) if device.type == "cuda" \

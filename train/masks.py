@@ -183,35 +183,70 @@ def _compiled_create_block_mask():
     return torch.compile(create_block_mask)
 
 
+class _KeyRanges(NamedTuple):
+    """The full-attention rule per block as two key ranges, int32 [A] each: the block's queries see
+    the context rows ``[ctx_lo, ctx_hi)`` (their document before the anchor: the anchor's row minus
+    its document-local position, up to the anchor's row; positions count from 0 along each
+    document's rows, as every packed batch's do) and their own block's keys ``[own_lo, own_lo + B)``.
+    """
+
+    ctx_lo: torch.Tensor
+    ctx_hi: torch.Tensor
+    own_lo: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> _KeyRanges:
+        return _KeyRanges(*(fn(x) for x in self))
+
+    @staticmethod
+    def of(blocks: Blocks, num_context: int) -> _KeyRanges:
+        # int32: a batch's rows and keys fit; int64 would double the tile count's [Q, K / tile]
+        # temporaries, and a GPU does int64 arithmetic in several steps
+        device, i32 = blocks.token_index.device, torch.int32
+        ctx_hi = blocks.token_index.to(device=device, dtype=i32)
+        own_lo = num_context + torch.arange(blocks.num_anchors, device=device, dtype=i32) * blocks.block_size
+        return _KeyRanges(ctx_hi - blocks.anchor_pos.to(device=device, dtype=i32), ctx_hi, own_lo)
+
+
 def _full_attention_tiles(blocks: Blocks, num_context: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) bool [Q tiles, K tiles] of the full-attention rule: which tile x tile squares of
     the [Q, T + Q] grid hold some visible pairs but not only those, and which hold only visible ones.
 
-    A query of block ``a`` sees two key ranges: the context rows ``[i_a - p_a, i_a)`` (``i_a`` its
-    anchor's row, ``p_a`` its document-local position: positions count from 0 along each document's
-    rows, as every packed batch's do) and its own block's keys. Counting how much of each key tile
-    those ranges cover, row by row, costs [Q, K / tile] work where evaluating the rule on every pair
-    costs [Q, K]. Squares past Q or T + Q count as not visible, as FlexAttention pads them.
+    Counting how much of each key tile a query's two key ranges (`_KeyRanges`) cover, row by row,
+    costs [Q, K / tile] work where evaluating the rule on every pair costs [Q, K]. Squares past Q or
+    T + Q count as not visible, as FlexAttention pads them.
     """
     B, A = blocks.block_size, blocks.num_anchors
     q_len, kv_len, device = A * B, num_context + A * B, blocks.token_index.device
     q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
-    i32 = torch.int32  # rows and keys of a batch fit; [Q, K / tile] int64 temporaries would be twice the memory
-    rows = torch.arange(q_tiles * tile, device=device, dtype=i32)
-    block = (rows // B).clamp(max=A - 1)
-    anchor_row = blocks.token_index.to(device=device, dtype=i32)[block]
-    anchor_pos = blocks.anchor_pos.to(device=device, dtype=i32)[block]
-    k0 = torch.arange(kv_tiles, device=device, dtype=i32) * tile
+    rows = torch.arange(q_tiles * tile, device=device, dtype=torch.int32)
+    ranges = _KeyRanges.of(blocks, num_context).map(lambda x: x[(rows // B).clamp(max=A - 1)])
+    k0 = torch.arange(kv_tiles, device=device, dtype=torch.int32) * tile
     k1 = k0 + tile
 
     def covered(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         return (torch.minimum(hi[:, None], k1) - torch.maximum(lo[:, None], k0)).clamp(min=0)
 
-    own = num_context + block * B
-    keys = covered(anchor_row - anchor_pos, anchor_row) + covered(own, own + B)  # visible keys per (row, tile)
+    keys = covered(ranges.ctx_lo, ranges.ctx_hi) + covered(ranges.own_lo, ranges.own_lo + B)  # per (row, tile)
     keys = torch.where((rows < q_len)[:, None], keys, 0).view(q_tiles, tile, kv_tiles)
     full = (keys == tile).all(dim=1)
     return (keys > 0).any(dim=1) & ~full, full
+
+
+def key_range_mask_mod(blocks: Blocks, num_context: int):
+    """The full-attention rule as a mask_mod over the key ranges (`_KeyRanges`): three int32 lookups
+    by the query's block, the same for all B of its rows, where the general rule (`_mask_mod`) looks
+    up eight int64 values per (query, key) pair; attention kernels evaluate the mask_mod on every
+    pair of a partial block, in forward and twice in backward. Tested equal to the rule; not yet the
+    trainer's: `bench/attention.py` times the two side by side."""
+    B, ranges = blocks.block_size, _KeyRanges.of(blocks, num_context)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // B
+        own = ranges.own_lo[block]
+        return ((kv_idx >= ranges.ctx_lo[block]) & (kv_idx < ranges.ctx_hi[block])) | \
+            ((kv_idx >= own) & (kv_idx < own + B))
+
+    return mask_mod
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,11 +270,11 @@ def flex_block_mask(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     _check_window(sliding_window)
-    q_len = blocks.num_anchors * blocks.block_size
-    kv_len = int(ctx_doc.shape[0]) + q_len
+    T, q_len = int(ctx_doc.shape[0]), blocks.num_anchors * blocks.block_size
+    kv_len = T + q_len
     mask_mod = _mask_mod(ctx_doc, ctx_pos, blocks, sliding_window)
     if sliding_window is None and q_len > 0:
-        partial, full = _full_attention_tiles(blocks, int(ctx_doc.shape[0]), TILE)
+        partial, full = _full_attention_tiles(blocks, T, TILE)
         return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                         seq_lengths=(q_len, kv_len))
     build = _compiled_create_block_mask() if compile else create_block_mask
@@ -278,4 +313,5 @@ def build_masks(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks, *,
 
 
 __all__ = ["FULL_ATTENTION", "LAYER_TYPES", "SLIDING_ATTENTION", "DocumentMasks", "build_masks",
-           "context_doc_pos", "dense_mask", "document_keys", "document_masks", "flex_block_mask"]
+           "context_doc_pos", "dense_mask", "document_keys", "document_masks", "flex_block_mask",
+           "key_range_mask_mod"]

@@ -274,6 +274,24 @@ def test_full_attention_layout_is_create_block_mask_s(lengths, B, pad):
     assert laid_out.seq_lengths == evaluated.seq_lengths
 
 
+@pytest.mark.parametrize(("lengths", "B", "pad"), [([300, 41, 520, 97], 8, 0), ([150, 90, 620], 12, 77),
+                                                   ([64] * 6, 5, 128)])
+def test_key_range_mask_mod_is_the_full_attention_rule(lengths, B, pad):
+    """The key-range mask_mod admits exactly the pairs the full-attention rule admits, padded context
+    rows (no document) included."""
+    from dflash_cache.train.masks import key_range_mask_mod
+    from dflash_cache.train.static_shapes import Context
+
+    batch = make_batch(lengths, seed=B, p_sup=0.9)
+    blocks = sample_anchors(batch, block_size=B, num_anchors=30, mask_token_id=MASK,
+                            generator=torch.Generator().manual_seed(B))
+    doc, pos = context_doc_pos(batch)
+    ctx = Context(features=batch.features, positions=pos, docs=doc).padded_to(batch.num_tokens + pad)
+    q_len, kv_len = blocks.num_anchors * B, ctx.rows + blocks.num_anchors * B
+    got = create_mask(key_range_mask_mod(blocks, ctx.rows), None, None, q_len, kv_len, device="cpu")[0, 0]
+    assert torch.equal(got, dense_mask(ctx.docs, ctx.positions, blocks, sliding_window=None))
+
+
 def test_empty_blocks():
     batch = make_batch([5, 6])
     blocks = sample_anchors(batch, block_size=4, num_anchors=8, mask_token_id=MASK,
