@@ -262,3 +262,46 @@ def test_matches_transformers_reference(cfg, drafter):
         ours = drafter(features, ctx_pos, embeds, block_pos, {"full_attention": dense})
         ref = _hf_reference(drafter, cfg, features, ctx_pos, embeds, block_pos, dense)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def _matrix_products(fn) -> int:
+    """How many matrix products `fn()` runs (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_fused_projections_compute_what_separate_ones_do(cfg):
+    """q/k/v of the blocks, k/v of the context and gate/up each run as one product over stacked weights:
+    the same outputs and the same gradient for every parameter as one product per projection."""
+    ctx_pos, anchor, block_pos = anchors()
+    features, embeds = inputs(cfg)
+    masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
+    runs = {}
+    for fused in (True, False):
+        drafter = init_drafter(cfg, seed=3)
+        drafter.fuse_projections(fused)
+
+        def step(drafter=drafter):
+            drafter(features, ctx_pos, embeds, block_pos, masks).square().mean().backward()
+
+        products = _matrix_products(step)
+        out = drafter(features, ctx_pos, embeds, block_pos, masks)
+        runs[fused] = out, {n: p.grad for n, p in drafter.named_parameters()}, products
+    (out_f, grads_f, n_f), (out_s, grads_s, n_s) = runs[True], runs[False]
+    torch.testing.assert_close(out_f, out_s, rtol=1e-5, atol=1e-6)
+    assert grads_f.keys() == grads_s.keys()
+    for name in grads_f:
+        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-7, msg=name)
+    # per layer 4 fewer forward products (q/k/v 3 -> 1, context k/v 2 -> 1, gate/up 2 -> 1), each with
+    # its input and weight gradient products in backward
+    assert n_s - n_f == cfg.num_layers * 4 * 3, (n_f, n_s)
