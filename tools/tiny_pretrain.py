@@ -54,7 +54,7 @@ from dflash_cache.extract.tiny import (
 )
 from dflash_cache.files import write_bytes_atomic, write_json_atomic
 from dflash_cache.logs import setup_logging
-from dflash_cache.train.optim import adamw, warmup_cosine
+from dflash_cache.train.optim import adamw, clipped_step, warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +316,7 @@ class Pretrainer:
             self.step_model = self.model
             self.opt.zero_grad(set_to_none=True)
             loss = self._step(window)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.opt.step()
+        clipped_step(self.opt, list(self.model.parameters()), self.cfg.grad_clip)
         self.opt.zero_grad(set_to_none=True)
         return loss
 

@@ -17,6 +17,27 @@ def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, fused: bool
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """One optimiser step on the gradients clipped to a total norm of `max_norm`, as
+    `clip_grad_norm_` clips them. A fused AdamW takes the clip as its `grad_scale` (the divisor
+    mixed-precision loss scaling hands it) and applies it as it reads each gradient, where
+    `clip_grad_norm_` would first rewrite every gradient in a pass of its own: on an H200, 2.3 ms
+    of a drafter step's 1.05B float32 gradients. The results agree to float32 rounding (g / (1 / c)
+    against g * c)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not optimizer.defaults.get("fused"):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+        return
+    # clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1, as a divisor
+    norm = torch.nn.utils.get_total_norm(grads)
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+
+
 def warmup_cosine(step: int, total: int, warmup: int, floor: float = 0.0) -> float:
     """The learning-rate factor at `step`: linear from 1/warmup to 1 over `warmup` steps, then a
     cosine from 1 down to `floor` at step `total`."""

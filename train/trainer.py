@@ -49,7 +49,7 @@ from dflash_cache.train.live_source import LiveSource
 from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
-from dflash_cache.train.optim import adamw, warmup_cosine
+from dflash_cache.train.optim import adamw, clipped_step, warmup_cosine
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticShape, warm_up_batches
 
@@ -97,6 +97,7 @@ class Trainer:
         self.net = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=True) \
             if world > 1 else self.model
         self.optimizer = adamw(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.params = list(self.model.parameters())
         self.profiler = profiler or StageProfiler(None)
         per_epoch = self.source.batches_per_epoch()
         if per_epoch == 0:
@@ -225,8 +226,7 @@ class Trainer:
         self.static_steps += static
         loss, correct = self._forward_backward(batch, blocks, static=static, net=self.net, profiler=self.profiler)
         with self.profiler.device_span("optimizer.step", self._stream()):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
+            clipped_step(self.optimizer, self.params, cfg.grad_clip)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         if blocks.prefix_keys is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_cache.train.optim import adamw, warmup_cosine
+from dflash_cache.train.optim import adamw, clipped_step, warmup_cosine
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -24,3 +24,29 @@ def test_only_matrices_are_decayed():
     decayed, free = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and [p.shape for p in decayed["params"]] == [(4, 4)]
     assert free["weight_decay"] == 0.0 and len(free["params"]) == 3  # linear bias, norm weight and bias
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3], ids=["under the clip", "over the clip"])
+def test_fused_clipped_step_matches_clip_then_step(scale):
+    """The fused optimiser's clip (its grad_scale) updates as clip_grad_norm_ followed by a step does,
+    whether the norm is under max_norm or over it; the non-fused path is clip_grad_norm_ itself.
+    eps = 1 makes the update depend on the gradient's scale (with AdamW's usual 1e-8 it hardly does)."""
+    results = {}
+    for fused, clip_in_step in ((True, True), (True, False), (False, True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1.0, weight_decay=0.1, fused=fused)
+        params = list(model.parameters())
+        for _ in range(3):
+            (model(torch.randn(5, 8)).square().sum() * scale).backward()
+            if clip_in_step:
+                clipped_step(opt, params, max_norm=1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert not hasattr(opt, "grad_scale"), "the clip must not outlive its step"
+        results[fused, clip_in_step] = torch.cat([p.detach().flatten() for p in params])
+    reference = results[True, False]
+    torch.testing.assert_close(results[True, True], reference, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[False, True], reference, rtol=1e-5, atol=1e-6)
