@@ -4,8 +4,8 @@ The bench configuration's attention (32 query / 8 key-value heads of 128, 4 docu
 tokens with 10% prompt, 512 anchors per document, block 16: 32,768 queries over 45,056 keys), the
 mask built by the trainer's own code. Each setting compiles its own flex_attention; the table gives
 milliseconds per call and TFLOP/s over the pairs the mask admits (what `train.flops` counts).
-"key-range mask_mod" runs the same blocks with `key_range_mask_mod` (a candidate) in place of the
-trainer's mask_mod, the general rule.
+"general mask_mod" runs the same blocks with the general rule (`_mask_mod`, eight int64 lookups
+per pair, what the trainer evaluated before) in place of the trainer's `key_range_mask_mod`.
 `--small` runs a shrunken case on a CPU (eager, forward only) to check the script.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import start_logging_and_device  # noqa: E402
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
-from dflash_cache.train.masks import build_masks, context_doc_pos, key_range_mask_mod  # noqa: E402
+from dflash_cache.train.masks import _mask_mod, build_masks, context_doc_pos  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
     "default": {},
@@ -39,9 +39,9 @@ SETTINGS: dict[str, dict] = {
     "tma": {"USE_TMA": True},
     "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
 }
-# The same blocks with the full-attention rule as key ranges (three int32 lookups per query block,
-# where the trainer's mask_mod, the general rule, makes eight int64 lookups per pair): default options.
-RANGE_MASK = "key-range mask_mod"
+# The same blocks with the general rule as their mask_mod (eight int64 lookups per pair, where the
+# trainer's key ranges make three int32 lookups per query block): default options.
+GENERAL_MASK = "general mask_mod"
 
 
 def case(device: torch.device, small: bool):
@@ -59,16 +59,16 @@ def case(device: torch.device, small: bool):
     doc, ctx_pos = context_doc_pos(batch)
     mask = build_masks(doc, ctx_pos, blocks, layer_types=("full_attention",), sliding_window=None,
                        backend="flex", compile=device.type == "cuda")["full_attention"]
-    range_mask = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-                                          mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE,
-                                          mask_mod=key_range_mask_mod(blocks, t), seq_lengths=mask.seq_lengths)
+    general = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
+                                       mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE,
+                                       mask_mod=_mask_mod(doc, ctx_pos, blocks, None), seq_lengths=mask.seq_lengths)
     q_len, kv_len = blocks.num_anchors * block, t + blocks.num_anchors * block
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, n, d, generator=g).to(device, dtype)
                for h, n in ((heads, q_len), (kv, kv_len), (kv, kv_len)))
     pairs = block * blocks.prefix_keys + blocks.num_anchors * block * block
-    return {"": mask, RANGE_MASK: range_mask}, q, k, v, 4 * pairs * d * heads
+    return {"": mask, GENERAL_MASK: general}, q, k, v, 4 * pairs * d * heads
 
 
 def timed(fn, device, reps: int) -> float:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "
-                    + ", ".join(SETTINGS) + f", autotune, {RANGE_MASK}")
+                    + ", ".join(SETTINGS) + f", autotune, {GENERAL_MASK}")
     args = ap.parse_args()
     device = start_logging_and_device()
     masks, q, k, v, fwd_flops = case(device, args.small)

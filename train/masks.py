@@ -23,7 +23,9 @@ positions ``p_a + s - W + 1 .. p_a - 1`` and its own block's slots ``max(0, s - 
 blocks (about as many queries as the document has tokens) attends over that document's context
 and its own blocks, so memory follows the sum over documents of about ``2 * q_d * t_d`` instead of
 ``Q * K``; ``flex_block_mask`` expresses the rule as a FlexAttention ``mask_mod`` (GPUs). All three
-evaluate one function, ``_visible``.
+evaluate one function, ``_visible``, except the FlexAttention mask of full-attention layers: it
+states the same rule as two key ranges per block (``key_range_mask_mod``, tested equal), cheaper for
+the kernel to evaluate.
 """
 
 from __future__ import annotations
@@ -236,8 +238,8 @@ def key_range_mask_mod(blocks: Blocks, num_context: int):
     """The full-attention rule as a mask_mod over the key ranges (`_KeyRanges`): three int32 lookups
     by the query's block, the same for all B of its rows, where the general rule (`_mask_mod`) looks
     up eight int64 values per (query, key) pair; attention kernels evaluate the mask_mod on every
-    pair of a partial block, in forward and twice in backward. Tested equal to the rule; not yet the
-    trainer's: `bench/attention.py` times the two side by side."""
+    pair of a partial block, in forward and twice in backward. Tested equal to the rule;
+    `bench/attention.py` times the two side by side."""
     B, ranges = blocks.block_size, _KeyRanges.of(blocks, num_context)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -261,7 +263,8 @@ def flex_block_mask(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks
     """The same rule as ``dense_mask`` as a FlexAttention BlockMask (B=None, H=None, Q=A*B, KV=T+A*B).
 
     Full-attention masks are laid out from each query's visible key ranges (`_full_attention_tiles`:
-    the same blocks as ``create_block_mask``, tested equal, in a fraction of its time). Sliding-window
+    the same blocks as ``create_block_mask``, tested equal, in a fraction of its time), and the kernel
+    evaluates their partial blocks with the same ranges (`key_range_mask_mod`). Sliding-window
     masks evaluate the rule: ``compile`` (for GPUs) fuses computing the mask and reducing it to
     blocks into compiled kernels; eager evaluation materialises the whole Q x K mask and its int64
     intermediates, gigabytes at training sizes.
@@ -272,13 +275,13 @@ def flex_block_mask(ctx_doc: torch.Tensor, ctx_pos: torch.Tensor, blocks: Blocks
     _check_window(sliding_window)
     T, q_len = int(ctx_doc.shape[0]), blocks.num_anchors * blocks.block_size
     kv_len = T + q_len
-    mask_mod = _mask_mod(ctx_doc, ctx_pos, blocks, sliding_window)
     if sliding_window is None and q_len > 0:
         partial, full = _full_attention_tiles(blocks, T, TILE)
-        return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                        seq_lengths=(q_len, kv_len))
+        return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=TILE,
+                                        mask_mod=key_range_mask_mod(blocks, T), seq_lengths=(q_len, kv_len))
     build = _compiled_create_block_mask() if compile else create_block_mask
-    return build(mask_mod, None, None, q_len, kv_len, device=ctx_doc.device)
+    return build(_mask_mod(ctx_doc, ctx_pos, blocks, sliding_window), None, None, q_len, kv_len,
+                 device=ctx_doc.device)
 
 
 def _layer_window(layer_type: str, sliding_window: int | None) -> int | None:
