@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -175,6 +176,9 @@ def main() -> None:
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
                          "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
+    ap.add_argument("--compare-projections", action="store_true",
+                    help="also time the resident batches with one matrix product per projection (q, k, v, gate, "
+                         "up each alone) instead of the trainer's fused ones")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -249,19 +253,23 @@ def main() -> None:
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
+    projection_runs = {"resident-separate-projections": False} if args.compare_projections else {}
     default_attention = trainer.model.flex_attention_fn
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *codecs]:
+                     *attention_runs, *projection_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
+            trainer.model.fuse_projections(projection_runs.get(name, True))
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if name in {**chunk_runs, **kernel_runs, **attention_runs} and rnd == 0:  # compiles: not timed
+                if name in {**chunk_runs, **kernel_runs, **attention_runs, **projection_runs} and rnd == 0:
+                    # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
+                    print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
                 dropped = drop_page_cache()
@@ -330,13 +338,22 @@ def trace_steps(trainer: Trainer, batches: list, device) -> dict:
            "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
            "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
            "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=45),
+           "kernel_names": kernel_times(prof, len(batches)),
            "matmuls": matmul_rates(prof, len(batches))}
     print(out["kernels"])
     print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
     for r in out["matmuls"]:
         print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
-    print({k: v for k, v in out.items() if k not in ("kernels", "matmuls")}, flush=True)
+    print({k: v for k, v in out.items() if k not in ("kernels", "kernel_names", "matmuls")}, flush=True)
     return out
+
+
+def kernel_times(prof, steps: int, top: int = 60) -> list[dict]:
+    """The `top` device kernels by device time per step, with their whole names (the table cuts them):
+    an inductor kernel's name lists the operations it fused."""
+    rows = [{"name": e.key, "calls_per_step": e.count / steps, "ms_per_step": e.self_device_time_total / 1e3 / steps}
+            for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
 
 
 def matmul_rates(prof, steps: int) -> list[dict]:
