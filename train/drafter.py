@@ -73,17 +73,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], fused: bool) -> tuple[torch.Tensor, ...]:
-    """x through bias-free linears that share it: fused, as one matrix product over their stacked
-    weights, split into each one's columns (what the linears compute, in fewer and wider products:
-    one product's rate on the GPU instead of several narrower ones', and in backward one input
-    gradient instead of several summed). The parameters stay separate, as the export names them."""
-    if not fused:
-        return tuple(linear(x) for linear in linears)
-    out = F.linear(x, torch.cat([linear.weight for linear in linears]))
-    return out.split([linear.out_features for linear in linears], dim=-1)
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -98,19 +87,17 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.fused_projections = True  # see `project`
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask, flex_fn) -> torch.Tensor:
         """h [Q, H] (normed block states), context [T, H]; rope covers the T + Q key positions."""
         q_len, d = h.shape[0], self.head_dim
         cos, sin = rope
-        q, k_block, v_block = project(h, (self.q_proj, self.k_proj, self.v_proj), self.fused_projections)
-        k_ctx, v_ctx = project(context, (self.k_proj, self.v_proj), self.fused_projections)
-        kv_len = context.shape[0] + q_len
-        q = self.q_norm(q.view(q_len, self.num_heads, d)).transpose(0, 1)[None]
-        k = self.k_norm(torch.cat((k_ctx, k_block)).view(kv_len, self.num_kv_heads, d)).transpose(0, 1)[None]
-        v = torch.cat((v_ctx, v_block)).view(kv_len, self.num_kv_heads, d).transpose(0, 1)[None]
+        q = self.q_norm(self.q_proj(h).view(q_len, self.num_heads, d)).transpose(0, 1)[None]
+        kv_in = torch.cat((context, h), dim=0)
+        kv_len = kv_in.shape[0]
+        k = self.k_norm(self.k_proj(kv_in).view(kv_len, self.num_kv_heads, d)).transpose(0, 1)[None]
+        v = self.v_proj(kv_in).view(kv_len, self.num_kv_heads, d).transpose(0, 1)[None]
         q = apply_rope(q, cos[kv_len - q_len:], sin[kv_len - q_len:])  # not [-q_len:]: q_len may be 0
         k = apply_rope(k, cos, sin)
         if isinstance(mask, BlockMask):
@@ -150,11 +137,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused_projections = True  # see `project`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, (self.gate_proj, self.up_proj), self.fused_projections)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlashLayer(nn.Module):
@@ -214,13 +199,6 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
-
-    def fuse_projections(self, fused: bool = True) -> None:
-        """Projections that share an input as one matrix product (`project`, the default), or one
-        product each (what bench/train.py compares against); the weights are the same either way."""
-        for module in self.modules():
-            if isinstance(module, DFlashAttention | MLP):
-                module.fused_projections = fused
 
     def compile_layers(self) -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse

@@ -51,9 +51,6 @@ LOSS_KERNELS: dict[str, Callable[[], Callable]] = {
     "torch": lambda: logits_loss_and_grad,
     "inductor": compiled_logits_loss_and_grad,
     "triton": lambda: logits_loss_and_grad_triton,
-    # the same kernel with three reductions per column block in its first pass (block max, argmax, sum)
-    # where "triton" keeps per-lane sums and maxima and makes one: kept for bench/train.py's comparison
-    "triton-block-stats": lambda: functools.partial(logits_loss_and_grad_triton, lane_stats=False),
 }
 
 

@@ -35,44 +35,25 @@ def _build_kernel(interpret: bool):
 
     @triton.jit
     def _chunk_kernel(logits_ptr, labels_ptr, row_scale_ptr, ce_ptr, correct_ptr, V, stride_row,
-                      HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr, LANE_STATS: tl.constexpr):
+                      HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
         cols = tl.arange(0, BLOCK)
         running_max = tl.full([], float("-inf"), tl.float32)
-        if LANE_STATS:
-            # Per lane: the sum of exp(x - running_max) and the lane's first maximum and its column;
-            # one reduction per block (its maximum) where the other form makes three.
-            lane_sum = tl.zeros([BLOCK], tl.float32)
-            lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_col = tl.zeros([BLOCK], tl.int32)
-            for start in range(0, V, BLOCK):
-                idx = start + cols
-                x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-                take = x > lane_best  # strictly: a lane keeps its first maximum
-                lane_col = tl.where(take, idx, lane_col)
-                lane_best = tl.where(take, x, lane_best)
-                new_max = tl.maximum(running_max, tl.max(x, axis=0))
-                lane_sum = lane_sum * tl.exp(running_max - new_max) + tl.exp(x - new_max)
-                running_max = new_max
-            sum_exp = tl.sum(lane_sum, axis=0)
-            best = tl.max(lane_best, axis=0)
-            best_col = tl.min(tl.where(lane_best == best, lane_col, V), axis=0).to(tl.int64)  # the first maximal column
-        else:
-            sum_exp = tl.full([], 0.0, tl.float32)
-            best = tl.full([], float("-inf"), tl.float32)
-            best_col = tl.full([], 0, tl.int64)
-            for start in range(0, V, BLOCK):
-                idx = start + cols
-                x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-                block_max = tl.max(x, axis=0)
-                block_col = tl.argmax(x, axis=0).to(tl.int64) + start  # the first maximal column
-                new_max = tl.maximum(running_max, block_max)
-                sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-                running_max = new_max
-                take = block_max > best  # strictly: an equal later maximum keeps the first column, as torch does
-                best_col = tl.where(take, block_col, best_col)
-                best = tl.where(take, block_max, best)
+        sum_exp = tl.full([], 0.0, tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_col = tl.full([], 0, tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            block_max = tl.max(x, axis=0)
+            block_col = tl.argmax(x, axis=0).to(tl.int64) + start  # the first maximal column
+            new_max = tl.maximum(running_max, block_max)
+            sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+            take = block_max > best  # strictly: an equal later maximum keeps the first column, as torch does
+            best_col = tl.where(take, block_col, best_col)
+            best = tl.where(take, block_max, best)
         lse = running_max + tl.log(sum_exp)
         label = tl.load(labels_ptr + row)
         target = tl.maximum(label, 0)  # rows with weight 0 may carry -100
@@ -93,7 +74,7 @@ def _build_kernel(interpret: bool):
 
 
 def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                                total_weight: torch.Tensor | None, *, lane_stats: bool = True
+                                total_weight: torch.Tensor | None
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`logits_loss_and_grad`'s contract, on CUDA (or CPU under TRITON_INTERPRET=1).
 
@@ -116,7 +97,7 @@ def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weig
         with on_device_of(logits):
             _build_kernel(interpret)[(rows,)](logits, labels, row_scale, ce, correct, vocab, logits.stride(0),
                                               HAS_GRAD=has_grad, BLOCK=min(BLOCK_V, _next_power_of_2(vocab)),
-                                              LANE_STATS=lane_stats, num_warps=8)
+                                              num_warps=8)
     loss_sum = torch.where(weights != 0, ce * weights, torch.zeros_like(ce)).sum()
     return loss_sum, correct.bool(), logits if has_grad else None
 
