@@ -176,9 +176,6 @@ def main() -> None:
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
                          "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
-    ap.add_argument("--compare-projections", action="store_true",
-                    help="also time the resident batches with one matrix product per projection (q, k, v, gate, "
-                         "up each alone) instead of the trainer's fused ones")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -253,20 +250,18 @@ def main() -> None:
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
-    projection_runs = {"resident-separate-projections": False} if args.compare_projections else {}
     default_attention = trainer.model.flex_attention_fn
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *projection_runs, *codecs]:
+                     *attention_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
-            trainer.model.fuse_projections(projection_runs.get(name, True))
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if name in {**chunk_runs, **kernel_runs, **attention_runs, **projection_runs} and rnd == 0:
+                if name in {**chunk_runs, **kernel_runs, **attention_runs} and rnd == 0:
                     # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)
