@@ -80,6 +80,7 @@ class DFlashAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = d
+        self.block_size = cfg.block_size
         self.scale = d ** -0.5
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -89,16 +90,27 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask, flex_fn) -> torch.Tensor:
-        """h [Q, H] (normed block states), context [T, H]; rope covers the T + Q key positions."""
-        q_len, d = h.shape[0], self.head_dim
+                mask, flex_fn, *, distinct_rows: bool = False, scored_only: bool = False) -> torch.Tensor:
+        """h [Q, H] (normed block states), context [T, H]; rope covers the T + Q key positions.
+
+        `distinct_rows`: h holds a block input's A + 1 distinct rows (`expand_blocks`); the
+        projections run on those and are expanded after. `scored_only`: only the rows of slots
+        1..B-1 go through the output projection, [A * (B - 1), H] is returned.
+        """
+        d, ctx_len = self.head_dim, context.shape[0]
         cos, sin = rope
-        q = self.q_norm(self.q_proj(h).view(q_len, self.num_heads, d)).transpose(0, 1)[None]
-        kv_in = torch.cat((context, h), dim=0)
-        kv_len = kv_in.shape[0]
-        k = self.k_norm(self.k_proj(kv_in).view(kv_len, self.num_kv_heads, d)).transpose(0, 1)[None]
-        v = self.v_proj(kv_in).view(kv_len, self.num_kv_heads, d).transpose(0, 1)[None]
-        q = apply_rope(q, cos[kv_len - q_len:], sin[kv_len - q_len:])  # not [-q_len:]: q_len may be 0
+        kv_len = cos.shape[0]
+        q_len = kv_len - ctx_len
+
+        def blocks(x: torch.Tensor) -> torch.Tensor:
+            return expand_blocks(x, self.block_size) if distinct_rows else x
+
+        q = self.q_norm(self.q_proj(h).view(h.shape[0], self.num_heads, d))
+        q = blocks(q.flatten(1)).view(q_len, self.num_heads, d).transpose(0, 1)[None]
+        k = torch.cat((self.k_proj(context), blocks(self.k_proj(h)))).view(kv_len, self.num_kv_heads, d)
+        v = torch.cat((self.v_proj(context), blocks(self.v_proj(h)))).view(kv_len, self.num_kv_heads, d)
+        k, v = self.k_norm(k).transpose(0, 1)[None], v.transpose(0, 1)[None]
+        q = apply_rope(q, cos[ctx_len:], sin[ctx_len:])
         k = apply_rope(k, cos, sin)
         if isinstance(mask, BlockMask):
             out = flex_fn(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -109,7 +121,8 @@ class DFlashAttention(nn.Module):
                 raise ValueError(f"dense mask must be bool [1, 1, {q_len}, {kv_len}], got "
                                  f"{mask.dtype} {tuple(mask.shape)}")
             out = self._sdpa(q, k, v, mask)
-        return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * d))
+        out = out[0].transpose(0, 1).reshape(q_len, self.num_heads * d)
+        return self.o_proj(scored_rows(out, self.block_size) if scored_only else out)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
@@ -151,20 +164,49 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, rope, mask, flex_fn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope, mask, flex_fn)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, rope, mask, flex_fn, distinct_rows: bool = False,
+                scored_only: bool = False) -> torch.Tensor:
+        """x [Q, H] -> [Q, H]; with `distinct_rows` x is [A + 1, H] (`expand_blocks`), with
+        `scored_only` the result is [A * (B - 1), H] (`scored_rows`)."""
+        B = self.self_attn.block_size
+        attn = self.self_attn(self.input_layernorm(x), context, rope, mask, flex_fn, distinct_rows=distinct_rows,
+                              scored_only=scored_only)
+        if distinct_rows:
+            x = expand_blocks(x, B)
+        if scored_only:
+            x = scored_rows(x, B)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _run_layer_dynamic(layer: DFlashLayer, x, context, rope, mask, flex_fn) -> torch.Tensor:
-    return layer(x, context, rope, mask, flex_fn)
+def expand_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[A + 1, C] -> [A * B, C]: block a's slot 0 is row a, its slots 1..B-1 the last row. A DFlash
+    block input is its anchor token then B - 1 mask tokens, so until the first attention mixes them
+    the block rows hold only A + 1 distinct states: the first layer normalises and projects those
+    and expands after (its backward sums the mask rows' gradients by a reduction)."""
+    anchors, mask = rows[:-1], rows[-1:]
+    a = anchors.shape[0]
+    return torch.cat((anchors[:, None], mask[None].expand(a, block_size - 1, -1)), dim=1).reshape(a * block_size, -1)
 
 
-def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn) -> torch.Tensor:
+def scored_rows(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[A * B, C] -> [A * (B - 1), C]: the rows of slots 1..B-1, the ones the loss scores (slot 0 is
+    the given anchor token). The last layer needs slot 0 only as a key and value."""
+    a = x.shape[0] // block_size
+    return x.view(a, block_size, x.shape[-1])[:, 1:].reshape(a * (block_size - 1), x.shape[-1])
+
+
+def _run_layer_dynamic(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_rows: bool,
+                       scored_only: bool) -> torch.Tensor:
+    return layer(x, context, rope, mask, flex_fn, distinct_rows, scored_only)
+
+
+def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_rows: bool,
+                      scored_only: bool) -> torch.Tensor:
     """The same call as `_run_layer_dynamic`, a separate function on purpose: torch.compile keeps
     its graphs per code object, so the static-shape graph and the dynamic one never serve each
     other's calls."""
-    return layer(x, context, rope, mask, flex_fn)
+    return layer(x, context, rope, mask, flex_fn, distinct_rows, scored_only)
 
 
 def _fuse_context(fc: nn.Linear, norm: nn.Module, features: torch.Tensor) -> torch.Tensor:
@@ -200,37 +242,47 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, options: dict | None = None) -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
         into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
         Two graphs: one for the run's static shape (`forward(static=True)`, see
         `dflash_cache.train.static_shapes`) and one for any other shape. Weights and state-dict keys
         are unchanged. Each graph compiles on the first step that needs it (about a minute, less when
-        cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`)."""
-        self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True),
-                               torch.compile(_run_layer_static, dynamic=False))
+        cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`).
+        `options`: inductor settings for these graphs (what bench/train.py compares)."""
+        self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True, options=options),
+                               torch.compile(_run_layer_static, dynamic=False, options=options))
         # The norms before and after the layers too: eager, each is several float32 passes over
         # [tokens, hidden] in forward and more in backward.
-        self._edge_runners = (torch.compile(_fuse_context, dynamic=True), torch.compile(_final_norm, dynamic=True))
+        self._edge_runners = (torch.compile(_fuse_context, dynamic=True, options=options),
+                              torch.compile(_final_norm, dynamic=True, options=options))
         self.flex_attention_fn = flex_attention
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
-                block_positions: torch.Tensor, masks: dict, static: bool = False) -> torch.Tensor:
+                block_positions: torch.Tensor, masks: dict, static: bool = False, *, distinct_rows: bool = False,
+                scored_only: bool = False) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
         masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
-        final norm. `static`: the shapes are the run's static shape (compiled layers only)."""
+        final norm. `static`: the shapes are the run's static shape (compiled layers only).
+
+        What training asks for, the same computation on fewer rows: `distinct_rows`, block_embeds
+        is [A + 1, H], each block's anchor embedding then the mask token's (`expand_blocks`);
+        `scored_only`, only slots 1..B-1 come out, [A * (B - 1), H] (`scored_rows`).
+        """
         dtype = self.dtype
         fuse_context, final_norm = self._edge_runners
         context = fuse_context(self.fc, self.hidden_norm, features)
         x = block_embeds.to(dtype)
         rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
         run = self._layer_runners[static] if self._layer_runners is not None else _run_layer_dynamic
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             try:
                 mask = masks[layer.layer_type]
             except KeyError:
                 raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
-            x = run(layer, x, context, rope, mask, self.flex_attention_fn)
+            x = run(layer, x, context, rope, mask, self.flex_attention_fn, distinct_rows and i == 0,
+                    scored_only and i == last)
         return final_norm(self.norm, x)
 
 

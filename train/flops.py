@@ -5,8 +5,11 @@ kernels happen to execute (masked-out attention blocks and recomputation do not 
 
 * the drafter's linears: per layer, the query and output projections and the MLP on the Q block
   tokens, the key and value projections on all T + Q keys; forward once, backward twice (input and
-  weight gradients): x3. The fused-context projection `fc` on the T context tokens: x2, as the
-  target's features need no gradient.
+  weight gradients): x3. Less what the trainer need not compute: the first layer's query, key and
+  value projections of the blocks run on their A + 1 distinct rows (each anchor, and the mask token
+  that fills every other slot), and the last layer's output projection and MLP on the A * (B - 1)
+  scored rows. The fused-context projection `fc` on the T context tokens: x2, as the target's
+  features need no gradient.
 * attention: QK^T and PV over the query/key pairs the mask admits (full layers: a block's B queries
   see its anchor's document prefix and the block's B keys; sliding layers: at most W keys each). x3.
 * the frozen LM head on the scored rows (slots 1..B-1): the logits, and the gradient wrt the hidden
@@ -62,8 +65,13 @@ def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, pref
     h, d, b = cfg.hidden_size, cfg.head_dim, cfg.block_size
     t, q = context_tokens, num_blocks * b
     q_width, kv_width = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_layer = 2 * q * h * q_width * 2 + 2 * (t + q) * h * kv_width * 2 + 2 * q * h * cfg.intermediate_size * 3
-    linears = 2 * (2 * t * cfg.num_target_layers * h * h) + 3 * cfg.num_layers * per_layer
+    last = cfg.num_layers - 1
+    linears = 2 * (2 * t * cfg.num_target_layers * h * h)
+    for i in range(cfg.num_layers):
+        rows_in = num_blocks + 1 if i == 0 else q  # rows through the blocks' q/k/v projections
+        rows_out = num_blocks * (b - 1) if i == last else q  # rows through o and the MLP
+        linears += 3 * (2 * rows_in * h * q_width + 2 * (t + rows_in) * h * kv_width * 2
+                        + 2 * rows_out * h * q_width + 2 * rows_out * h * cfg.intermediate_size * 3)
     attention = 0.0
     for layer_type in cfg.layer_types:
         if layer_type == FULL_ATTENTION:

@@ -256,13 +256,12 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with profiler.device_span("drafter.forward", stream), autocast:
             features = context.features if self.device.type == "cuda" else context.features.float()
-            embeds = self.head.embed(blocks.input_ids.reshape(-1))
-            hidden = net(features, context.positions, embeds, blocks.position_ids.reshape(-1), masks, static=static)
+            # The block inputs' distinct rows (each anchor, then the mask token, which fills every
+            # other slot), and out only the scored slots 1..B-1: slot 0 is the given anchor token.
+            distinct = torch.cat((blocks.input_ids[:, 0], blocks.input_ids.new_full((1,), dcfg.mask_token_id)))
+            scored = net(features, context.positions, self.head.embed(distinct), blocks.position_ids.reshape(-1),
+                         masks, static=static, distinct_rows=True, scored_only=True)
         with profiler.device_span("dflash.chunked_loss", stream):
-            # Slot 0 (the given anchor token) has weight 0: its rows are left out of the LM head.
-            a, b = blocks.num_anchors, self.cfg.block_size
-            h = hidden.shape[-1]
-            scored = hidden.view(a, b, h)[:, 1:].reshape(a * (b - 1), h)  # explicit sizes: a may be 0
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
                                                 kernel=self.loss_kernel)

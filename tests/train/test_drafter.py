@@ -262,3 +262,32 @@ def test_matches_transformers_reference(cfg, drafter):
         ours = drafter(features, ctx_pos, embeds, block_pos, {"full_attention": dense})
         ref = _hf_reference(drafter, cfg, features, ctx_pos, embeds, block_pos, dense)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_distinct_rows_and_scored_only_compute_the_full_forwards_rows(num_layers):
+    """Training's forward (the first layer on the block input's A + 1 distinct rows, the last layer's
+    output projection and MLP on slots 1..B-1 only) gives the full forward's scored rows, and the same
+    gradient for every parameter from a loss on them; one layer does both at once."""
+    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=num_layers, block_size=B)
+    ctx_pos, anchor, block_pos = anchors()
+    features, _ = inputs(cfg)
+    g = torch.Generator().manual_seed(7)
+    distinct = torch.randn(A + 1, cfg.hidden_size, generator=g)  # each block's anchor row, then the mask row
+    full_embeds = torch.cat((distinct[:A, None], distinct[A:].expand(A, B - 1, -1)), dim=1).reshape(Q, -1)
+    masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
+    target = torch.randn(A * (B - 1), cfg.hidden_size, generator=g)
+    runs = []
+    for training_rows in (False, True):
+        drafter = init_drafter(cfg, seed=5)
+        if training_rows:
+            out = drafter(features, ctx_pos, distinct, block_pos, masks, distinct_rows=True, scored_only=True)
+        else:
+            out = drafter(features, ctx_pos, full_embeds, block_pos, masks).view(A, B, -1)[:, 1:].reshape(A * (B - 1), -1)
+        (out * target).sum().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    (ref, ref_grads), (got, got_grads) = runs
+    assert got.shape == (A * (B - 1), cfg.hidden_size)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
