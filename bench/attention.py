@@ -42,6 +42,21 @@ SETTINGS: dict[str, dict] = {
 # The same blocks with the general rule as their mask_mod (eight int64 lookups per pair, where the
 # trainer's key ranges make three int32 lookups per query block): default options.
 GENERAL_MASK = "general mask_mod"
+# As the trainer calls it: q/k/v views of [tokens, heads * 128] projections, rotated (RoPE) in the same
+# compiled graph, which inductor may fuse into the attention kernel's loads (prologue fusion); and the
+# same with that fusion off. The difference to "default" includes the rotation's own kernels.
+TRAINER_LAYOUT = {"trainer layout": {}, "trainer layout (no prologue fusion)": {"prologue_fusion": False}}
+
+
+def trainer_layout_attention(q2, k2, v2, cos, sin, block_mask, heads: int, kv_heads: int):
+    """FlexAttention on the drafter's layout: q2 [Q, heads * d], k2/v2 [T + Q, kv_heads * d] rows."""
+    from dflash_cache.train.drafter import apply_rope
+
+    d = q2.shape[1] // heads
+    q = apply_rope(q2.view(-1, heads, d).transpose(0, 1)[None], cos[-q2.shape[0]:], sin[-q2.shape[0]:])
+    k = apply_rope(k2.view(-1, kv_heads, d).transpose(0, 1)[None], cos, sin)
+    v = v2.view(-1, kv_heads, d).transpose(0, 1)[None]
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def case(device: torch.device, small: bool):
@@ -90,7 +105,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "
-                    + ", ".join(SETTINGS) + f", autotune, {GENERAL_MASK}")
+                    + ", ".join([*SETTINGS, *TRAINER_LAYOUT]) + f", autotune, {GENERAL_MASK}")
     args = ap.parse_args()
     device = start_logging_and_device()
     masks, q, k, v, fwd_flops = case(device, args.small)
@@ -104,9 +119,17 @@ def main() -> None:
         else:
             fn = torch.compile(flex_attention, dynamic=False,
                                mode="max-autotune-no-cudagraphs" if name == "autotune" else None)
-        qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
-        forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
-                                    kernel_options=options or None)
+        if name in TRAINER_LAYOUT:
+            rows = [x[0].transpose(0, 1).reshape(x.shape[2], -1).detach().requires_grad_(device.type == "cuda")
+                    for x in (q, k, v)]
+            cos, sin = torch.randn(2, k.shape[2], q.shape[-1], device=device, dtype=q.dtype)
+            fn = trainer_layout_attention if device.type == "cpu" else \
+                torch.compile(trainer_layout_attention, dynamic=False, options=TRAINER_LAYOUT[name])
+            forward = functools.partial(fn, *rows, cos, sin, masks[""], q.shape[1], k.shape[1])
+        else:
+            qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
+            forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
+                                        kernel_options=options or None)
         try:
             f = timed(forward, device, args.reps)
             fb = timed(lambda call=forward: call().sum().backward(), device, args.reps) if device.type == "cuda" \

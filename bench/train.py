@@ -22,6 +22,7 @@ script can be checked on a CPU.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import itertools
 import json
@@ -176,6 +177,11 @@ def main() -> None:
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
                          "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
+    ap.add_argument("--compile-options", default="",
+                    help="also time the resident batches through layers compiled with these inductor settings "
+                         "(comma-separated NAME=VALUE, VALUE a Python literal, e.g. prologue_fusion=False)")
+    ap.add_argument("--blas", default="", help="also time the resident batches with matrix products through this "
+                    "BLAS library (torch.backends.cuda.preferred_blas_library: cublaslt; the default is cublas)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -236,7 +242,7 @@ def main() -> None:
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
-                     "max_autotune": args.max_autotune,
+                     "max_autotune": args.max_autotune, "compile_options": args.compile_options,
                      "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
                      "step_tflops": flops.total / 1e12, "runs": {}}
     static_shape = trainer.static_shape
@@ -251,17 +257,30 @@ def main() -> None:
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
     default_attention = trainer.model.flex_attention_fn
+    model = trainer.model
+    runners = {"default": (model._layer_runners, model._edge_runners)}
+    option_runs = {}
+    blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
+    default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
+    if args.compile_options and trainer.compiled:
+        model.compile_layers(options={k: ast.literal_eval(v) for k, v in
+                                      (kv.split("=", 1) for kv in args.compile_options.split(","))})
+        option_runs["resident-compile-options"] = (model._layer_runners, model._edge_runners)
+        model._layer_runners, model._edge_runners = runners["default"]
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *codecs]:
+                     *attention_runs, *option_runs, *blas_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
+            model._layer_runners, model._edge_runners = option_runs.get(name, runners["default"])
+            if default_blas is not None:
+                torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if name in {**chunk_runs, **kernel_runs, **attention_runs} and rnd == 0:
+                if name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs} and rnd == 0:
                     # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)
