@@ -45,10 +45,12 @@ GENERAL_MASK = "general mask_mod"
 # As the trainer calls it: q/k/v views of [tokens, heads * 128] projections, rotated (RoPE) in the same
 # compiled graph, which inductor may fuse into the attention kernel's loads (prologue fusion); and the
 # same with that fusion off. The difference to "default" includes the rotation's own kernels.
-TRAINER_LAYOUT = {"trainer layout": {}, "trainer layout (no prologue fusion)": {"prologue_fusion": False}}
+# "contiguous": the rotated q/k and v laid out [heads, tokens, 128] before the kernel reads them.
+TRAINER_LAYOUT = {"trainer layout": ({}, False), "trainer layout (no prologue fusion)": ({"prologue_fusion": False}, False),
+                  "trainer layout (contiguous)": ({}, True)}
 
 
-def trainer_layout_attention(q2, k2, v2, cos, sin, block_mask, heads: int, kv_heads: int):
+def trainer_layout_attention(q2, k2, v2, cos, sin, block_mask, heads: int, kv_heads: int, contiguous: bool):
     """FlexAttention on the drafter's layout: q2 [Q, heads * d], k2/v2 [T + Q, kv_heads * d] rows."""
     from dflash_cache.train.drafter import apply_rope
 
@@ -56,6 +58,8 @@ def trainer_layout_attention(q2, k2, v2, cos, sin, block_mask, heads: int, kv_he
     q = apply_rope(q2.view(-1, heads, d).transpose(0, 1)[None], cos[-q2.shape[0]:], sin[-q2.shape[0]:])
     k = apply_rope(k2.view(-1, kv_heads, d).transpose(0, 1)[None], cos, sin)
     v = v2.view(-1, kv_heads, d).transpose(0, 1)[None]
+    if contiguous:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
@@ -123,17 +127,22 @@ def main() -> None:
             rows = [x[0].transpose(0, 1).reshape(x.shape[2], -1).detach().requires_grad_(device.type == "cuda")
                     for x in (q, k, v)]
             cos, sin = torch.randn(2, k.shape[2], q.shape[-1], device=device, dtype=q.dtype)
+            inductor_options, contiguous = TRAINER_LAYOUT[name]
             fn = trainer_layout_attention if device.type == "cpu" else \
-                torch.compile(trainer_layout_attention, dynamic=False, options=TRAINER_LAYOUT[name])
-            forward = functools.partial(fn, *rows, cos, sin, masks[""], q.shape[1], k.shape[1])
+                torch.compile(trainer_layout_attention, dynamic=False, options=inductor_options)
+            forward = functools.partial(fn, *rows, cos, sin, masks[""], q.shape[1], k.shape[1], contiguous)
+            # the output's gradient as the trainer's output projection hands it back: [Q, heads * d] rows
+            grad_out = torch.randn(q.shape[2], q.shape[1] * q.shape[3], device=device, dtype=q.dtype)
+            grad_out = grad_out.view(q.shape[2], q.shape[1], q.shape[3]).transpose(0, 1)[None]
         else:
             qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
             forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
                                         kernel_options=options or None)
+            grad_out = torch.randn_like(q)  # random, not the ones of .sum(): the kernel reads it like any gradient
         try:
             f = timed(forward, device, args.reps)
-            fb = timed(lambda call=forward: call().sum().backward(), device, args.reps) if device.type == "cuda" \
-                else float("nan")
+            fb = timed(lambda call=forward, g=grad_out: call().backward(g), device, args.reps) \
+                if device.type == "cuda" else float("nan")
         except Exception as e:  # a setting the kernel cannot run (e.g. shared memory): report, go on
             print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
             continue

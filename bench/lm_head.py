@@ -7,11 +7,16 @@ the same result: which form, if any, the loss should use.
 
   logits = hidden @ head.T        [c, H] x [H, V]
   grad   = grad_logits @ head     [c, V] x [V, H]   (or (head.T @ grad_logits.T).T)
+
+`--kernel-configs` also times the Triton loss kernel between them (dflash_cache.train.loss_kernel)
+on one chunk's bf16 logits, per launch setting (columns per iteration x warps): it reads the
+logits twice and writes them once, so its floor is that traffic over the copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -38,6 +43,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rows", default="2048,3840,4096,7680,15360", help="chunk heights to time")
+    ap.add_argument("--kernel-configs", default="",
+                    help="also time the Triton loss kernel at these COLUMNSxWARPS settings (e.g. 4096x8,2048x4)")
+    ap.add_argument("--kernel-rows", type=int, default=3840, help="rows of the loss kernel's logits (one chunk)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -59,9 +67,42 @@ def main() -> None:
             tflops = flop / ms / 1e9
             results.append({"rows": c, "product": product, "form": form, "ms": ms, "tflops": tflops})
             print(f"| {c} | {product} | `{form}` | {ms:.2f} | {tflops:.0f} |", flush=True)
+    kernels = time_loss_kernel(args.kernel_configs, rows=args.kernel_rows, vocab=v, dev=dev, do_bench=do_bench) \
+        if args.kernel_configs else []
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "peak_flops": peak,
-                                               "hidden": h, "vocab": v, "results": results}, indent=1))
+                                               "hidden": h, "vocab": v, "results": results,
+                                               "loss_kernel": kernels}, indent=1))
+
+
+def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, do_bench) -> list[dict]:
+    """The Triton loss kernel on [rows, vocab] bf16 logits per `BLOCKxWARPS` setting: median ms and
+    GB/s over its traffic (two reads and one write of the logits); each setting's loss, argmax and
+    gradient are checked against the first's."""
+    from dflash_cache.train.loss_kernel import logits_loss_and_grad_triton
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16, generator=g) * 3
+    labels = torch.randint(0, vocab, (rows,), device=dev, generator=g)
+    weights = torch.rand(rows, device=dev, generator=g)
+    total = weights.sum()
+    traffic = 3 * logits.numel() * logits.element_size()
+    out, reference = [], None
+    print("| columns x warps | ms | GB/s | same result |\n|---|---:|---:|---|")
+    for config in configs.split(","):
+        block, warps = (int(x) for x in config.split("x"))
+        run = functools.partial(logits_loss_and_grad_triton, labels=labels, weights=weights, total_weight=total,
+                                block=block, num_warps=warps)
+        loss, correct, grad = run(logits.clone())
+        if reference is None:
+            reference = (loss, correct, grad)
+        same = bool(torch.allclose(loss, reference[0], rtol=1e-5) and torch.equal(correct, reference[1])
+                    and torch.allclose(grad.float(), reference[2].float(), atol=1e-6))
+        buf = logits.clone()  # the kernel writes its gradient over the buffer: later calls see gradients
+        ms = do_bench(functools.partial(run, buf), warmup=50, rep=300, return_mode="median")
+        out.append({"block": block, "num_warps": warps, "ms": ms, "gb_s": traffic / ms / 1e6, "same": same})
+        print(f"| {block} x {warps} | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} |", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -74,12 +74,13 @@ def _build_kernel(interpret: bool):
 
 
 def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                                total_weight: torch.Tensor | None
+                                total_weight: torch.Tensor | None, *, block: int = BLOCK_V, num_warps: int = 8
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`logits_loss_and_grad`'s contract, on CUDA (or CPU under TRITON_INTERPRET=1).
 
     The gradient, when asked for, is written over `logits` and returned: the caller must not need
-    the logits afterwards.
+    the logits afterwards. `block` (columns per iteration, a power of 2) and `num_warps` are the
+    launch settings bench/lm_head.py compares.
     """
     interpret = require_triton(_WHO, "train with --no-compile, or on a CPU, for the torch loss")
     check_triton_device(logits, _WHO)
@@ -96,8 +97,8 @@ def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weig
     if rows:
         with on_device_of(logits):
             _build_kernel(interpret)[(rows,)](logits, labels, row_scale, ce, correct, vocab, logits.stride(0),
-                                              HAS_GRAD=has_grad, BLOCK=min(BLOCK_V, _next_power_of_2(vocab)),
-                                              num_warps=8)
+                                              HAS_GRAD=has_grad, BLOCK=min(block, _next_power_of_2(vocab)),
+                                              num_warps=num_warps)
     loss_sum = torch.where(weights != 0, ce * weights, torch.zeros_like(ce)).sum()
     return loss_sum, correct.bool(), logits if has_grad else None
 
