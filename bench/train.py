@@ -182,6 +182,10 @@ def main() -> None:
                          "(comma-separated NAME=VALUE, VALUE a Python literal, e.g. prologue_fusion=False)")
     ap.add_argument("--blas", default="", help="also time the resident batches with matrix products through this "
                     "BLAS library (torch.backends.cuda.preferred_blas_library: cublaslt; the default is cublas)")
+    ap.add_argument("--compare-full-rows", action="store_true",
+                    help="also time the resident batches with the drafter on every row (the trainer runs the "
+                         "first layer's projections on the distinct block rows and the last layer's output "
+                         "projection and MLP on the scored rows; the MFU column counts that work)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -261,6 +265,7 @@ def main() -> None:
     runners = {"default": (model._layer_runners, model._edge_runners)}
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
+    row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     if args.compile_options and trainer.compiled:
         model.compile_layers(options={k: ast.literal_eval(v) for k, v in
@@ -269,18 +274,19 @@ def main() -> None:
         model._layer_runners, model._edge_runners = runners["default"]
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *option_runs, *blas_runs, *codecs]:
+                     *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
             model._layer_runners, model._edge_runners = option_runs.get(name, runners["default"])
+            trainer.fewer_rows = row_runs.get(name, True)
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
             static_before = trainer.static_steps
             if name.startswith("resident"):
-                if name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs} and rnd == 0:
+                if name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs, **row_runs} and rnd == 0:
                     # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)

@@ -40,7 +40,7 @@ from dflash_cache.train.checkpoint import (
 )
 from dflash_cache.train.compile_cache import keep_compiled_kernels_in
 from dflash_cache.train.config import DrafterConfig
-from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
+from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter, scored_rows
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.export import export_drafter
 from dflash_cache.train.flops import device_peak_flops, step_flops
@@ -117,6 +117,7 @@ class Trainer:
         # The LM-head loss's chunk kernel (dflash_cache.train.loss.LOSS_KERNELS): with --no-compile,
         # plain torch, so that no Triton build is needed at all.
         self.loss_kernel = "triton" if self.compiled else "torch"
+        self.fewer_rows = True  # see _scored_hidden
         if self.compiled:
             keep_compiled_kernels_in(self.out)
             self.model.compile_layers()
@@ -256,11 +257,7 @@ class Trainer:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         with profiler.device_span("drafter.forward", stream), autocast:
             features = context.features if self.device.type == "cuda" else context.features.float()
-            # The block inputs' distinct rows (each anchor, then the mask token, which fills every
-            # other slot), and out only the scored slots 1..B-1: slot 0 is the given anchor token.
-            distinct = torch.cat((blocks.input_ids[:, 0], blocks.input_ids.new_full((1,), dcfg.mask_token_id)))
-            scored = net(features, context.positions, self.head.embed(distinct), blocks.position_ids.reshape(-1),
-                         masks, static=static, distinct_rows=True, scored_only=True)
+            scored = self._scored_hidden(net, features, context.positions, blocks, masks, static)
         with profiler.device_span("dflash.chunked_loss", stream):
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
@@ -268,6 +265,23 @@ class Trainer:
         with profiler.device_span("drafter.backward", stream):
             loss.backward()
         return loss, correct
+
+    def _scored_hidden(self, net: torch.nn.Module, features: torch.Tensor, ctx_positions: torch.Tensor,
+                       blocks: Blocks, masks: dict, static: bool) -> torch.Tensor:
+        """The drafter's final states of the scored slots 1..B-1, [A * (B - 1), H] (slot 0 is the
+        given anchor token). With `fewer_rows` (the default) computed on fewer rows, the same
+        function: the block input's distinct rows, each anchor then the mask token that fills every
+        other slot, and out only the scored ones (DFlashDrafter.forward); without, on every row
+        (what bench/train.py compares against)."""
+        positions = blocks.position_ids.reshape(-1)
+        if self.fewer_rows:
+            distinct = torch.cat((blocks.input_ids[:, 0],
+                                  blocks.input_ids.new_full((1,), self.drafter_cfg.mask_token_id)))
+            return net(features, ctx_positions, self.head.embed(distinct), positions, masks, static=static,
+                       distinct_rows=True, scored_only=True)
+        hidden = net(features, ctx_positions, self.head.embed(blocks.input_ids.reshape(-1)), positions, masks,
+                     static=static)
+        return scored_rows(hidden, self.cfg.block_size)
 
     def warm_up(self) -> float:
         """Compile the dynamic-shape graph before the first step, on two made-up batches of other

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from dflash_cache.cli import cli
 from dflash_cache.extract.run import extract
 from dflash_cache.extract.target import TargetSpec
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer, lr_factor
 from tests.train.conftest import one_torch_thread
@@ -279,3 +281,26 @@ def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
     assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.generator.get_state(), anchors)
     assert trainer.step == 0 and trainer.static_steps == 0
+
+
+def test_the_step_on_fewer_rows_is_the_step_on_every_row(demo_cache, tmp_path):
+    """The trainer's forward on the block input's distinct rows and the scored rows only (the default)
+    takes the step that running every row takes: the same loss, accuracy and parameter gradients."""
+    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=1), device=torch.device("cpu"))
+    _, batch = next(iter(trainer.source.iterate(trainer.position, epochs=1)))
+    trainer.source.close()
+    blocks = sample_anchors(batch, block_size=trainer.cfg.block_size, num_anchors=trainer.cfg.num_anchors,
+                            mask_token_id=trainer.drafter_cfg.mask_token_id, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for fewer in (True, False):
+        trainer.fewer_rows = fewer
+        trainer.model.zero_grad(set_to_none=True)
+        loss, correct = trainer._forward_backward(batch, blocks, static=False, net=trainer.model,
+                                                  profiler=StageProfiler(None))
+        runs.append((loss.detach(), correct, [p.grad.clone() for p in trainer.model.parameters()]))
+    (loss_f, correct_f, grads_f), (loss_a, correct_a, grads_a) = runs
+    assert blocks.num_anchors > 0
+    torch.testing.assert_close(loss_f, loss_a, rtol=1e-5, atol=1e-6)
+    assert torch.equal(correct_f, correct_a)
+    for got, want in zip(grads_f, grads_a, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
