@@ -59,17 +59,19 @@ class StepFlops:
         return self.linears + self.attention + self.lm_head
 
 
-def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, prefix_keys: int) -> StepFlops:
+def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, prefix_keys: int,
+               fewer_rows: bool = True) -> StepFlops:
     """The FLOPs of a step over `context_tokens` context tokens and `num_blocks` blocks whose anchors'
-    positions sum to `prefix_keys` (see `Blocks.prefix_keys`)."""
+    positions sum to `prefix_keys` (see `Blocks.prefix_keys`); `fewer_rows` False counts the drafter
+    on every row (`Trainer.fewer_rows`)."""
     h, d, b = cfg.hidden_size, cfg.head_dim, cfg.block_size
     t, q = context_tokens, num_blocks * b
     q_width, kv_width = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     last = cfg.num_layers - 1
     linears = 2 * (2 * t * cfg.num_target_layers * h * h)
     for i in range(cfg.num_layers):
-        rows_in = num_blocks + 1 if i == 0 else q  # rows through the blocks' q/k/v projections
-        rows_out = num_blocks * (b - 1) if i == last else q  # rows through o and the MLP
+        rows_in = num_blocks + 1 if i == 0 and fewer_rows else q  # rows through the blocks' q/k/v projections
+        rows_out = num_blocks * (b - 1) if i == last and fewer_rows else q  # rows through o and the MLP
         linears += 3 * (2 * rows_in * h * q_width + 2 * (t + rows_in) * h * kv_width * 2
                         + 2 * rows_out * h * q_width + 2 * rows_out * h * cfg.intermediate_size * 3)
     attention = 0.0

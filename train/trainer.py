@@ -232,7 +232,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         if blocks.prefix_keys is not None:
             self.profiler.add_flops(step_flops(self.drafter_cfg, context_tokens=batch.num_tokens,
-                                               num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys).total)
+                                               num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys,
+                                               fewer_rows=self.fewer_rows).total)
         valid = blocks.weights[:, 1:] > 0
         return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
 

@@ -15,10 +15,12 @@ from tests.train.conftest import demo_train_config, one_torch_thread
 MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
 
 
-def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fewer_rows", [True, False], ids=["fewer rows", "every row"])
+def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path, monkeypatch, fewer_rows):
     """One real training step (forward, chunked loss, backward) under FlopCounterMode: its matrix
-    multiplies are exactly the linears and the LM head on slots 1..B-1 that step_flops counts.
-    Attention runs as SDPA per document on a CPU and is checked apart."""
+    multiplies are exactly the linears and the LM head on slots 1..B-1 that step_flops counts, on
+    fewer rows (the trainer's default) and on every row. Attention runs as SDPA per document on a
+    CPU and is checked apart."""
     import dflash_cache.train.trainer as trainer_module
 
     seen = []
@@ -31,6 +33,9 @@ def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path
     cfg = demo_train_config(demo_cache, tmp_path, max_steps=1)
     with one_torch_thread():
         trainer = Trainer.build(cfg, device=torch.device("cpu"))
+        trainer.fewer_rows = fewer_rows
+        added = []
+        monkeypatch.setattr(trainer.profiler, "add_flops", added.append)
         _, batch = next(trainer.source.iterate(Position(0, 0)))
         with FlopCounterMode(display=False) as counter:
             trainer.train_step(batch)
@@ -39,8 +44,9 @@ def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path
     blocks = seen[0]
     assert blocks.num_anchors > 0 and blocks.prefix_keys == int(blocks.anchor_pos.sum())
     expected = step_flops(trainer.drafter_cfg, context_tokens=batch.num_tokens, num_blocks=blocks.num_anchors,
-                          prefix_keys=blocks.prefix_keys)
+                          prefix_keys=blocks.prefix_keys, fewer_rows=fewer_rows)
     assert matmul == expected.linears + expected.lm_head
+    assert added == [expected.total]  # what the profiler's MFU divides
 
 
 def test_attention_flops_count_visible_pairs():
