@@ -186,7 +186,8 @@ def expand_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
     and expands after (its backward sums the mask rows' gradients by a reduction)."""
     anchors, mask = rows[:-1], rows[-1:]
     a = anchors.shape[0]
-    return torch.cat((anchors[:, None], mask[None].expand(a, block_size - 1, -1)), dim=1).reshape(a * block_size, -1)
+    return torch.cat((anchors[:, None], mask[None].expand(a, block_size - 1, -1)), dim=1).reshape(
+        a * block_size, rows.shape[-1])  # explicit sizes: a may be 0
 
 
 def scored_rows(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,8 +8,11 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dflash_cache.extract.tiny import build_tiny_target, tiny_config
+from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter
+from dflash_cache.train.masks import document_masks
+from tests.train.test_masks import make_batch
 
 LAYER_IDS = (1, 3, 5)
 T, A, B = 14, 3, 4
@@ -291,3 +294,19 @@ def test_distinct_rows_and_scored_only_compute_the_full_forwards_rows(num_layers
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_rows_with_no_anchors(cfg):
+    """A batch without anchors (only the mask row is distinct) gives no scored rows, and backward runs."""
+    drafter = init_drafter(cfg, seed=1)
+    batch = make_batch([5, 6])
+    blocks = sample_anchors(batch, block_size=B, num_anchors=8, mask_token_id=0,
+                            generator=torch.Generator().manual_seed(0))
+    assert blocks.num_anchors == 0
+    doc, pos = batch.doc_ids(), batch.position_ids
+    masks = {"full_attention": document_masks(doc, pos, blocks, sliding_window=None)}
+    features = torch.randn(batch.num_tokens, cfg.num_target_layers * cfg.hidden_size)
+    out = drafter(features, pos, torch.randn(1, cfg.hidden_size), blocks.position_ids.reshape(-1), masks,
+                  distinct_rows=True, scored_only=True)
+    assert out.shape == (0, cfg.hidden_size)
+    out.sum().backward()
