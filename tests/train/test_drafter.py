@@ -267,18 +267,21 @@ def test_matches_transformers_reference(cfg, drafter):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_layers", [1, 3])
-def test_distinct_rows_and_scored_only_compute_the_full_forwards_rows(num_layers):
+@pytest.mark.parametrize("layer_types", [("full_attention",), ("sliding_attention", "full_attention", "sliding_attention")],
+                         ids=["one layer", "three layers, sliding first and last"])
+def test_distinct_rows_and_scored_only_compute_the_full_forwards_rows(layer_types):
     """Training's forward (the first layer on the block input's A + 1 distinct rows, the last layer's
     output projection and MLP on slots 1..B-1 only) gives the full forward's scored rows, and the same
     gradient for every parameter from a loss on them; one layer does both at once."""
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=num_layers, block_size=B)
+    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=len(layer_types), block_size=B,
+                                    sliding_window=4, layer_types=layer_types)
     ctx_pos, anchor, block_pos = anchors()
     features, _ = inputs(cfg)
     g = torch.Generator().manual_seed(7)
     distinct = torch.randn(A + 1, cfg.hidden_size, generator=g)  # each block's anchor row, then the mask row
     full_embeds = torch.cat((distinct[:A, None], distinct[A:].expand(A, B - 1, -1)), dim=1).reshape(Q, -1)
-    masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
+    masks = {"full_attention": dense_mask(mask_mod_for(anchor)),
+             "sliding_attention": dense_mask(mask_mod_for(anchor, see_context=False))}
     target = torch.randn(A * (B - 1), cfg.hidden_size, generator=g)
     runs = []
     for training_rows in (False, True):
