@@ -24,7 +24,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramet
     `clip_grad_norm_` first rewrites every gradient in a pass of its own (2.3 ms of a drafter step's
     1.05B float32 gradients on an H200; the fused kernel's write-back of the unscaled gradients
     takes back about 1.4 of it). The results agree to float32 rounding (g / (1 / c) against g * c)."""
-    if not optimizer.defaults.get("fused"):
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # torch's fused AdamW, TritonAdamW
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         return
