@@ -5,14 +5,11 @@ TRITON_INTERPRET must be set before triton is imported, so the checks run in one
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpreter import run_interpreted
 
 _SCRIPT = textwrap.dedent(
     """
@@ -69,14 +66,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here; the Triton kernel cannot be tested")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert res.returncode == 0, f"interpreter run failed:\n{res.stdout}\n{res.stderr}"
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_interpreted(_SCRIPT)
 
 
 @pytest.mark.parametrize("case", ["no clip", "under the clip", "over the clip"])
