@@ -36,6 +36,16 @@ SETTINGS: dict[str, dict] = {
                    "bwd_num_warps": 8, "bwd_num_stages": 2},
     "bwd 32/128": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
                    "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "bwd 64/128 s4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                      "bwd_num_warps": 8, "bwd_num_stages": 4},
+    "bwd 64/64 w4 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_warps": 4, "bwd_num_stages": 3},
+    "bwd 64/64 w8 s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_warps": 8, "bwd_num_stages": 3},
+    "bwd 32/64 w4 s4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                        "bwd_num_warps": 4, "bwd_num_stages": 4},
+    "bwd 64/128 tma": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                       "bwd_num_warps": 8, "bwd_num_stages": 3, "USE_TMA": True},
     "tma": {"USE_TMA": True},
     "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
 }
