@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import dataclasses
 import itertools
 import json
@@ -62,6 +61,8 @@ from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
 from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
+from dflash_cache.train.optim import drafter_optimizer  # noqa: E402
+from dflash_cache.train.precision import Precision  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
@@ -128,16 +129,21 @@ def mean_step_flops(cfg, batches: list, *, num_anchors: int, max_anchors: int | 
     return StepFlops(*(sum(getattr(f, k) for f in parts) / len(parts) for k in ("linears", "attention", "lm_head")))
 
 
-def other_optimizer(fused: torch.optim.Optimizer, kind: str) -> torch.optim.Optimizer:
-    """Another optimizer over `fused`'s parameter groups, starting from a copy of its state."""
-    if kind != "triton":
-        raise SystemExit(f"--optimizers: unknown {kind!r} (known: triton)")
-    from dflash_cache.train.adamw_kernel import TritonAdamW
-
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in fused.param_groups]
-    other = TritonAdamW(groups, lr=fused.defaults["lr"], betas=fused.defaults["betas"], eps=fused.defaults["eps"])
-    other.load_state_dict(copy.deepcopy(fused.state_dict()))  # load_state_dict may share the tensors
-    return other
+def set_precision(trainer: Trainer, precision: Precision) -> None:
+    """Carry on training `trainer` at `precision`: the same weights (bf16 ones from their masters) and
+    AdamW state, the other optimizer (torch's fused AdamW over float32 weights, or TritonAdamW with
+    masters). The compiled graphs recompile for the other dtypes on first use."""
+    if precision == trainer.precision:
+        return
+    old = trainer.optimizer
+    with torch.no_grad():
+        for p, master in getattr(old, "master_weights", dict)().items():
+            p.data = master.clone()  # float32 again, the master's value
+    hparams = dict(lr=old.defaults["lr"], weight_decay=old.defaults["weight_decay"], device=trainer.device)
+    new = drafter_optimizer(trainer.model, **hparams, precision=precision)  # lowers the weights for masters
+    new.load_state_dict(old.state_dict())  # moments, step counts, learning rates
+    trainer.optimizer = trainer.scheduler.optimizer = new
+    trainer.precision = precision
 
 
 def drop_page_cache() -> bool:
@@ -200,9 +206,9 @@ def main() -> None:
                     help="also time the resident batches with the drafter on every row (the trainer runs the "
                          "first layer's projections on the distinct block rows and the last layer's output "
                          "projection and MLP on the scored rows; the MFU column counts that work)")
-    ap.add_argument("--optimizers", default="",
-                    help="also time the resident batches with these optimizer steps: 'triton' (TritonAdamW, "
-                         "dflash_cache.train.adamw_kernel, a candidate; the trainer's is torch's fused AdamW)")
+    ap.add_argument("--compare-fp32-weights", action="store_true",
+                    help="also time the resident batches with float32 linear weights under autocast and torch's "
+                         "fused AdamW (the trainer holds them in bf16 with float32 masters in TritonAdamW on a GPU)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -286,9 +292,9 @@ def main() -> None:
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
     row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
-    optimizer_runs = {f"resident-optimizer-{k}": other_optimizer(trainer.optimizer, k)
-                      for k in args.optimizers.split(",") if k}
-    default_optimizer = trainer.optimizer
+    precision_runs = {"resident-fp32-weights": Precision(autocast=True, master_weights=False)} \
+        if args.compare_fp32_weights else {}
+    default_precision = trainer.precision
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
     if args.compile_options and trainer.compiled:
         model.compile_layers(options={k: ast.literal_eval(v) for k, v in
@@ -297,7 +303,7 @@ def main() -> None:
         model._layer_runners, model._edge_runners = runners["default"]
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *option_runs, *blas_runs, *row_runs, *optimizer_runs, *codecs]:
+                     *attention_runs, *option_runs, *blas_runs, *row_runs, *precision_runs, *codecs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
@@ -305,13 +311,13 @@ def main() -> None:
             trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
             model._layer_runners, model._edge_runners = option_runs.get(name, runners["default"])
             trainer.fewer_rows = row_runs.get(name, True)
-            trainer.optimizer = trainer.scheduler.optimizer = optimizer_runs.get(name, default_optimizer)
+            set_precision(trainer, precision_runs.get(name, default_precision))
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
             static_before = trainer.static_steps
             if name.startswith("resident"):
                 if name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs, **row_runs,
-                            **optimizer_runs} and rnd == 0:
+                            **precision_runs} and rnd == 0:
                     # compiles: not timed
                     timed_steps(trainer, iter(resident), min(2, len(resident)), device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)

@@ -1,7 +1,7 @@
 """Checkpoints: safetensors for tensors, JSON for everything else, no pickle.
 
     out/checkpoints/step_000500/
-        drafter.safetensors     fp32 master weights
+        drafter.safetensors     fp32 weights (the optimizer's masters of bf16 ones)
         optimizer.safetensors   AdamW moments, flattened by parameter name
         rng.safetensors         torch CPU (and CUDA) RNG states and the anchor generator's state, per rank
         state.json              format version, step, global source position, world size, the run's
@@ -84,6 +84,24 @@ def _optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str
     return out
 
 
+def _full_precision_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The model's state dict with each parameter the optimizer holds a float32 master of (bf16
+    linear weights: dflash_cache.train.precision) as that master: checkpoints keep float32 weights."""
+    masters = getattr(optimizer, "master_weights", dict)()
+    by_id = {id(p): master for p, master in masters.items()}
+    named = dict(model.named_parameters())
+    return {k: by_id.get(id(named[k]), v) if k in named else v for k, v in model.state_dict().items()}
+
+
+def _load_masters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor]) -> None:
+    """Set the optimizer's masters from the checkpoint's float32 weights (load_state_dict rounded them
+    into the bf16 parameters)."""
+    if not hasattr(optimizer, "master_weights"):
+        return
+    lowered = {id(p) for p in optimizer.master_weights()}
+    optimizer.load_masters({p: weights[n] for n, p in model.named_parameters() if id(p) in lowered})
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints (those with a state file), newest first."""
     if not directory.is_dir():
@@ -101,7 +119,8 @@ def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {
-        "drafter.safetensors": {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        "drafter.safetensors": {k: v.detach().cpu().contiguous()
+                                for k, v in _full_precision_state(model, optimizer).items()},
         "optimizer.safetensors": _optimizer_tensors(optimizer, names),
         "rng.safetensors": {k: v.cpu().contiguous() for k, v in rng.items()},
     }
@@ -159,6 +178,7 @@ def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], state: TrainerSta
             opt_state[idx] = {k: (v if k == "step" else v.to(device)) for k, v in entries.items()}
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in state.optimizer_hparams]
     optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    _load_masters(model, optimizer, tensors["drafter.safetensors"])
     return tensors["rng.safetensors"]
 
 

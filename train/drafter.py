@@ -107,8 +107,13 @@ class DFlashAttention(nn.Module):
 
         q = self.q_norm(self.q_proj(h).view(h.shape[0], self.num_heads, d))
         q = blocks(q.flatten(1)).view(q_len, self.num_heads, d).transpose(0, 1)[None]
-        k = torch.cat((self.k_proj(context), blocks(self.k_proj(h)))).view(kv_len, self.num_kv_heads, d)
-        v = torch.cat((self.v_proj(context), blocks(self.v_proj(h)))).view(kv_len, self.num_kv_heads, d)
+        # One product per weight over [context; block rows]: its weight gradient is one product too,
+        # where two would each round to bf16 before their sum.
+        rows = torch.cat((context, h))
+        k, v = self.k_proj(rows), self.v_proj(rows)
+        if distinct_rows:
+            k, v = (torch.cat((x[:ctx_len], blocks(x[ctx_len:]))) for x in (k, v))
+        k, v = k.view(kv_len, self.num_kv_heads, d), v.view(kv_len, self.num_kv_heads, d)
         k, v = self.k_norm(k).transpose(0, 1)[None], v.transpose(0, 1)[None]
         q = apply_rope(q, cos[ctx_len:], sin[ctx_len:])
         k = apply_rope(k, cos, sin)
@@ -240,8 +245,10 @@ class DFlashDrafter(nn.Module):
         self._edge_runners: tuple = (_fuse_context, _final_norm)  # compiled by compile_layers
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+    def residual_dtype(self) -> torch.dtype:
+        """The residual stream's and RoPE's dtype: the norm gains' (float32 when training, also with
+        bf16 linear weights: dflash_cache.train.precision)."""
+        return self.norm.weight.dtype
 
     def compile_layers(self, options: dict | None = None) -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
@@ -270,7 +277,7 @@ class DFlashDrafter(nn.Module):
         is [A + 1, H], each block's anchor embedding then the mask token's (`expand_blocks`);
         `scored_only`, only slots 1..B-1 come out, [A * (B - 1), H] (`scored_rows`).
         """
-        dtype = self.dtype
+        dtype = self.residual_dtype
         fuse_context, final_norm = self._edge_runners
         context = fuse_context(self.fc, self.hidden_norm, features)
         x = block_embeds.to(dtype)

@@ -8,13 +8,45 @@ import math
 
 import torch
 
+from dflash_cache.train.precision import Precision, linear_weights
+
+BETAS, EPS = (0.9, 0.95), 1e-8
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on the weight matrices only: norm gains and biases stay free."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
 
 def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, fused: bool) -> torch.optim.AdamW:
-    """AdamW (betas 0.9/0.95) decaying the weight matrices only: norm gains and biases stay free."""
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    """torch's AdamW (betas 0.9/0.95) over `param_groups`."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS, fused=fused)
+
+
+def drafter_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, device: torch.device,
+                      precision: Precision) -> torch.optim.AdamW:
+    """The drafter's AdamW. With `precision.master_weights`, TritonAdamW with the linear weights
+    lowered to bf16 (the model's parameters change dtype here, before anything wraps them);
+    otherwise torch's AdamW, fused on a GPU. The same hyper-parameters and update either way."""
+    if not precision.master_weights:
+        return adamw(model, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+    from dflash_cache.train.adamw_kernel import TritonAdamW
+
+    optimizer = TritonAdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS)
+    optimizer.lower_precision(linear_weights(model))
+    return optimizer
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """clip_grad_norm_'s total 2-norm, with each tensor's norm in float32: torch's `get_total_norm`
+    returns a bf16 gradient's norm in bf16, three significant digits."""
+    norms = []
+    for device_dtype in dict.fromkeys((g.device, g.dtype) for g in grads):  # in order: the same sum every run
+        norms.extend(torch._foreach_norm([g for g in grads if (g.device, g.dtype) == device_dtype], 2.0,
+                                         dtype=torch.float32))
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> None:
@@ -29,7 +61,7 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramet
         optimizer.step()
         return
     # clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1, as a divisor
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = total_grad_norm([p.grad for p in params if p.grad is not None])
     optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
     try:
         optimizer.step()

@@ -49,7 +49,8 @@ from dflash_cache.train.live_source import LiveSource
 from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
 from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
-from dflash_cache.train.optim import adamw, clipped_step, warmup_cosine
+from dflash_cache.train.optim import clipped_step, drafter_optimizer, warmup_cosine
+from dflash_cache.train.precision import Precision, fp32_allreduce_hook
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticShape, warm_up_batches
 
@@ -69,20 +70,24 @@ class Trainer:
     constructor takes those pieces ready-made, which is what benchmarks with synthetic targets use."""
 
     @classmethod
-    def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1) -> Trainer:
+    def build(cls, cfg: TrainConfig, *, device: torch.device, rank: int = 0, world: int = 1,
+              precision: Precision | None = None) -> Trainer:
         from dflash_cache.train.assemble import cache_parts, live_parts
 
         t0 = time.perf_counter()
         profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
         parts = (cache_parts if cfg.cache is not None else live_parts)(cfg, device, rank, world, profiler)
         trainer = cls(cfg, source=parts.source, drafter_cfg=parts.drafter_cfg, head=parts.head, device=device,
-                      rank=rank, world=world, profiler=profiler)
+                      rank=rank, world=world, profiler=profiler, precision=precision)
         trainer.build_seconds = time.perf_counter() - t0
         return trainer
 
     def __init__(self, cfg: TrainConfig, *, source: Source, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
-                 device: torch.device, rank: int = 0, world: int = 1, profiler: StageProfiler | None = None) -> None:
+                 device: torch.device, rank: int = 0, world: int = 1, profiler: StageProfiler | None = None,
+                 precision: Precision | None = None) -> None:
+        """`precision`: Precision.for_device(device) unless given (tests run the GPU's on a CPU)."""
         self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.precision = precision or Precision.for_device(device)
         self.out = Path(cfg.out)
         self.source, self.drafter_cfg = source, drafter_cfg
         # Before the drafter is allocated: the free memory it is measured against still includes it.
@@ -91,12 +96,17 @@ class Trainer:
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
+        # Before DDP: with master weights it lowers the linear weights to bf16.
+        self.optimizer = drafter_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, device=device,
+                                           precision=self.precision)
         # DDP wraps the forward/backward; checkpoints and export use the bare module. Gradients live
         # in DDP's buckets rather than beside them: no second gradient-sized copy for the memory
         # model (which counts one) to miss.
-        self.net = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=True) \
-            if world > 1 else self.model
-        self.optimizer = adamw(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.net = self.model
+        if world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=True)
+            if self.precision.master_weights:
+                self.net.register_comm_hook(None, fp32_allreduce_hook)
         self.params = list(self.model.parameters())
         self.profiler = profiler or StageProfiler(None)
         per_epoch = self.source.batches_per_epoch()
@@ -255,8 +265,7 @@ class Trainer:
             masks = build_masks(context.docs, context.positions, blocks, layer_types=dcfg.layer_types,
                                 sliding_window=dcfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        with profiler.device_span("drafter.forward", stream), autocast:
+        with profiler.device_span("drafter.forward", stream), self.precision.autocast_on(self.device):
             features = context.features if self.device.type == "cuda" else context.features.float()
             scored = self._scored_hidden(net, features, context.positions, blocks, masks, static)
         with profiler.device_span("dflash.chunked_loss", stream):

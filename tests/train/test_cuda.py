@@ -196,3 +196,62 @@ def test_after_the_warm_up_only_a_new_static_shape_compiles(demo_cache, tmp_path
     compiled_at = [i for i in range(1, 41) if seen[i][0] != seen[i - 1][0]]
     new_static_at = [i for i in range(1, 41) if seen[i][1] != seen[i - 1][1]]
     assert compiled_at and set(compiled_at) <= set(new_static_at), (compiled_at, new_static_at)
+
+
+@needs_cuda
+def test_master_weights_adamw_follows_fused_adamw_on_cuda():
+    """TritonAdamW over bf16 weights with float32 masters against torch's fused AdamW over float32
+    weights, fed the same bf16 gradients and the same clip: the masters follow to float32 rounding,
+    and each bf16 weight is its master rounded to nearest even (the GPU's cast, checked bit for bit)."""
+    from dflash_cache.train.adamw_kernel import TritonAdamW
+    from dflash_cache.train.optim import clipped_step
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(4096, 1024), (3000,), (77, 5)]
+    ref = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g) * 0.02) for s in shapes]
+    low = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    fused = torch.optim.AdamW([{"params": ref, "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    tri = TritonAdamW([{"params": low, "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    tri.lower_precision([p for p in low if p.ndim == 2])
+    for scale in (1.0, 1e3, 1e-2):  # over and under the clip
+        for r, w in zip(ref, low, strict=True):
+            grad = (torch.randn(r.shape, device="cuda", generator=g) * scale).to(w.dtype)
+            w.grad, r.grad = grad, grad.float()
+        clipped_step(fused, ref, 1.0)
+        clipped_step(tri, low, 1.0)
+    masters = tri.master_weights()
+    for r, w in zip(ref, low, strict=True):
+        value = masters.get(w, w)
+        torch.testing.assert_close(value, r.detach(), rtol=1e-6, atol=1e-9)
+        if w in masters:
+            assert w.dtype == torch.bfloat16 and torch.equal(w, value.to(torch.bfloat16))
+
+
+@needs_cuda
+def test_gpu_trainer_trains_bf16_weights_as_autocast_trains_float32_ones(demo_cache, tmp_path):
+    """The GPU default (bf16 linear weights, float32 masters in TritonAdamW) against autocast over
+    float32 weights with torch's fused AdamW, compiled: the same first loss, and 8 steps' losses
+    within bf16 noise. The export holds the masters' rounding."""
+    from safetensors.torch import load_file
+
+    from dflash_cache.train.adamw_kernel import TritonAdamW
+    from dflash_cache.train.precision import Precision
+
+    losses = []
+    for precision in (None, Precision(autocast=True, master_weights=False)):
+        out = tmp_path / f"run-{precision is None}"
+        cfg = demo_train_config(demo_cache, out, max_steps=8, log_every=1)
+        trainer = Trainer.build(cfg, device=torch.device("cuda"), precision=precision)
+        if precision is None:
+            assert isinstance(trainer.optimizer, TritonAdamW)
+            assert {p.dtype for p in trainer.optimizer.master_weights()} == {torch.bfloat16}
+        trainer.fit()
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+        if precision is None:
+            exported = load_file(out / "export" / "model.safetensors")
+            named = dict(trainer.model.named_parameters())
+            for p, master in trainer.optimizer.master_weights().items():
+                name = next(n for n, q in named.items() if q is p)
+                assert torch.equal(exported[name].cuda(), master.to(torch.bfloat16))
+    assert losses[0][0] == losses[1][0]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-2, atol=0.0)

@@ -50,3 +50,26 @@ def test_fused_clipped_step_matches_clip_then_step(scale):
     reference = results[True, False]
     torch.testing.assert_close(results[True, True], reference, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results[False, True], reference, rtol=1e-5, atol=1e-6)
+
+
+class _ScaleRecorder(torch.optim.SGD):
+    """An optimizer that takes the clip as grad_scale, as fused AdamW and TritonAdamW do, and records it."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        self.seen = float(self.grad_scale)
+
+
+def test_clip_of_bf16_gradients_uses_their_float32_norm():
+    """bf16 gradients (the master-weight path): the clip's divisor is that of the same values in
+    float32. torch's get_total_norm rounds each bf16 tensor's norm to bf16, off by up to ~0.4%."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g).mul(s).to(torch.bfloat16) for n, s in ((1000, 1.2345), (77, 3.0), (4096, 0.1))]
+    params = [torch.nn.Parameter(torch.zeros(x.shape, dtype=torch.bfloat16)) for x in grads]
+    for p, x in zip(params, grads, strict=True):
+        p.grad = x.clone()
+    opt = _ScaleRecorder(params, lr=0.1)
+    clipped_step(opt, params, 1.0)
+    want = (torch.linalg.vector_norm(torch.cat([x.double() for x in grads])).item() + 1e-6) / 1.0
+    assert opt.seen == pytest.approx(want, rel=1e-6)
