@@ -61,7 +61,7 @@ from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
 from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
-from dflash_cache.train.optim import drafter_optimizer  # noqa: E402
+from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state  # noqa: E402
 from dflash_cache.train.precision import Precision  # noqa: E402
 from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
@@ -143,7 +143,7 @@ def set_precision(trainer: Trainer, precision: Precision) -> bool:
             p.data = master.clone()  # float32 again, the master's value
     hparams = dict(lr=old.defaults["lr"], weight_decay=old.defaults["weight_decay"], device=trainer.device)
     new = drafter_optimizer(trainer.model, **hparams, precision=precision)  # lowers the weights for masters
-    new.load_state_dict(old.state_dict())  # moments, step counts, learning rates
+    load_optimizer_state(new, old.state_dict())  # moments, step counts, learning rates
     trainer.optimizer = trainer.scheduler.optimizer = new
     trainer.precision = precision
     return True

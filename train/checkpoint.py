@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_cache.files import fsync_path, read_json, write_json_atomic
+from dflash_cache.train.optim import load_optimizer_state
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], state: TrainerSta
         if entries:
             opt_state[idx] = {k: (v if k == "step" else v.to(device)) for k, v in entries.items()}
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in state.optimizer_hparams]
-    optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    load_optimizer_state(optimizer, {"state": opt_state, "param_groups": groups})
     _load_masters(model, optimizer, tensors["drafter.safetensors"])
     return tensors["rng.safetensors"]
 

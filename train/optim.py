@@ -39,6 +39,19 @@ def drafter_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
     return optimizer
 
 
+IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """`optimizer.load_state_dict`, keeping this optimizer's own implementation flags. A state dict's
+    param groups carry the flags of the optimizer that wrote it (a CPU run's AdamW is not fused,
+    TritonAdamW's groups say neither fused nor foreach), and torch would adopt them: a fused AdamW
+    would then step unfused, refusing the clip's grad_scale."""
+    flags = [{k: g[k] for k in IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
+    groups = [dict(g, **own) for g, own in zip(state_dict["param_groups"], flags, strict=True)]
+    optimizer.load_state_dict({**state_dict, "param_groups": groups})
+
+
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """clip_grad_norm_'s total 2-norm, with each tensor's norm in float32: torch's `get_total_norm`
     returns a bf16 gradient's norm in bf16, three significant digits."""

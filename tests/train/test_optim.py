@@ -73,3 +73,24 @@ def test_clip_of_bf16_gradients_uses_their_float32_norm():
     clipped_step(opt, params, 1.0)
     want = (torch.linalg.vector_norm(torch.cat([x.double() for x in grads])).item() + 1e-6) / 1.0
     assert opt.seen == pytest.approx(want, rel=1e-6)
+
+
+def test_loading_another_optimizers_state_keeps_the_fused_flag():
+    """A state dict written by an unfused AdamW (a CPU run, or TritonAdamW's groups) loaded into a
+    fused one: it stays fused and takes the clip as grad_scale (torch's load_state_dict alone would
+    unfuse it, and its step then refuses grad_scale)."""
+    from dflash_cache.train.optim import load_optimizer_state
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    plain_model, fused_model = model(), model()
+    plain = adamw(plain_model, lr=1e-2, weight_decay=0.1, fused=False)
+    plain_model(torch.ones(2, 4)).sum().backward()
+    plain.step()
+    fused = adamw(fused_model, lr=1e-2, weight_decay=0.1, fused=True)
+    load_optimizer_state(fused, plain.state_dict())
+    assert all(g["fused"] for g in fused.param_groups)
+    fused_model(torch.ones(2, 4)).sum().backward()
+    clipped_step(fused, list(fused_model.parameters()), 1e-3)  # the clip applies: grad_scale is passed
