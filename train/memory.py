@@ -1,6 +1,7 @@
 """How much memory a training step needs, so defaults fit the machine and bad settings fail early.
 
-A step's memory is the drafter's training state (fp32 weights, gradients and two AdamW moments),
+A step's memory is the drafter's training state (16 bytes a parameter: fp32 weights, gradients and
+two AdamW moments; on a GPU bf16 linear weights and gradients with fp32 masters, the same bytes),
 the frozen embedding and LM head, and the activations kept for the backward pass. Activations grow
 with the block tokens (anchors x block size: every drafter layer runs on them) and, much less, with
 the context tokens of the packed batch (each layer projects them to keys and values). The byte
