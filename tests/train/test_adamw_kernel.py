@@ -59,25 +59,8 @@ _SCRIPT = textwrap.dedent(
     torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict may share the tensors
     out["state dict"] = rel(train(model, opt, 1, 1.0, None, seed=2), train(twin, torch_opt, 1, 1.0, None, seed=2))
     out["grad_scale left behind"] = hasattr(opt, "grad_scale")
-    # bf16 weights with float32 masters against torch's fused AdamW over float32 weights, fed the same
-    # bf16 gradients and clip: the masters follow, each bf16 weight is its master rounded to nearest even
-    g = torch.Generator().manual_seed(3)
-    ref = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in ((512, 256), (3000,), (77, 5))]
-    low = [torch.nn.Parameter(p.detach().clone()) for p in ref]
-    fused = torch.optim.AdamW([{"params": ref, "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    tri = TritonAdamW([{"params": low, "weight_decay": 0.1}], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    tri.lower_precision([p for p in low if p.ndim == 2])
-    for scale in (1.0, 1e3, 1e-2):  # under and over the clip
-        for r, w in zip(ref, low):
-            grad = (torch.randn(r.shape, generator=g) * scale).to(w.dtype)
-            w.grad, r.grad = grad, grad.to(torch.float32, copy=True)  # fused AdamW writes its gradients back
-        clipped_step(fused, ref, 1.0)
-        clipped_step(tri, low, 1.0)
-    masters = tri.master_weights()
-    out["masters rel"] = max(rel(masters.get(w, w).detach(), r.detach()) for r, w in zip(ref, low))
-    out["masters rounded"] = all(w.dtype == torch.bfloat16 and bool(torch.equal(w, masters[w].to(torch.bfloat16)))
-                                 for w in low if w.ndim == 2)
-    out["moments float32"] = all(tri.state[w][k].dtype == torch.float32 for w in low for k in ("exp_avg", "exp_avg_sq"))
+    from tests.train.master_weight_checks import masters_against_fused_adamw
+    out |= masters_against_fused_adamw("cpu")
     print("RESULTS " + json.dumps(out))
     """
 )
