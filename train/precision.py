@@ -11,8 +11,8 @@ gradient is the bf16 product's (autocast only widened it), and AdamW updates the
 values from the same gradients. Norm gains stay float32 parameters, as the residual stream stays
 float32.
 
-Left out: with gradients in bf16, DDP all-reduces them in float32 (`fp32_allreduce_hook`), and the
-mean is rounded to bf16 once.
+The one difference is with several processes: DDP averages the bf16 gradients in float32
+(`fp32_allreduce_hook`) and the mean is rounded to bf16 once, where float32 gradients kept it.
 """
 
 from __future__ import annotations
