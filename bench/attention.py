@@ -6,6 +6,8 @@ mask built by the trainer's own code. Each setting compiles its own flex_attenti
 milliseconds per call and TFLOP/s over the pairs the mask admits (what `train.flops` counts).
 "general mask_mod" runs the same blocks with the general rule (`_mask_mod`, eight int64 lookups
 per pair, what the trainer evaluated before) in place of the trainer's `key_range_mask_mod`.
+"ranges ..." run `bench/range_attention.py`'s kernels instead, after printing how far their output
+and gradients are from FlexAttention's on the same inputs.
 `--small` runs a shrunken case on a CPU (eager, forward only) to check the script.
 """
 
@@ -23,9 +25,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import start_logging_and_device  # noqa: E402
+from bench.range_attention import KernelConfig, plan_ranges, range_attention  # noqa: E402
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
-from dflash_cache.train.masks import _mask_mod, build_masks, context_doc_pos  # noqa: E402
+from dflash_cache.train.masks import _KeyRanges, _mask_mod, build_masks, context_doc_pos  # noqa: E402
 
 SETTINGS: dict[str, dict] = {
     "default": {},
@@ -48,6 +51,17 @@ SETTINGS: dict[str, dict] = {
                        "bwd_num_warps": 8, "bwd_num_stages": 3, "USE_TMA": True},
     "tma": {"USE_TMA": True},
     "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
+}
+# bench/range_attention.py's Triton kernels (two key ranges per block, five products per backward pair)
+RANGES: dict[str, KernelConfig] = {
+    "ranges": KernelConfig(),
+    "ranges fwd 64/64 w4": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4),
+    "ranges fwd 128/128": KernelConfig(fwd_n=128, fwd_stages=2),
+    "ranges bwd 64/64 w4": KernelConfig(bwd_n=64, bwd_m=64, bwd_warps=4, bwd_stages=2),
+    "ranges bwd 64/64 w8": KernelConfig(bwd_n=64, bwd_m=64, bwd_warps=8, bwd_stages=2),
+    "ranges bwd 128/32": KernelConfig(bwd_n=128, bwd_m=32, bwd_warps=8, bwd_stages=2),
+    "ranges bwd 128/64 s3": KernelConfig(bwd_stages=3),
+    "ranges bwd 128/64 w4": KernelConfig(bwd_warps=4),
 }
 # The same blocks with the general rule as their mask_mod (eight int64 lookups per pair, where the
 # trainer's key ranges make three int32 lookups per query block): default options.
@@ -97,7 +111,28 @@ def case(device: torch.device, small: bool):
     q, k, v = (torch.randn(1, h, n, d, generator=g).to(device, dtype)
                for h, n in ((heads, q_len), (kv, kv_len), (kv, kv_len)))
     pairs = block * blocks.prefix_keys + blocks.num_anchors * block * block
-    return {"": mask, GENERAL_MASK: general}, q, k, v, 4 * pairs * d * heads
+    return {"": mask, GENERAL_MASK: general}, q, k, v, 4 * pairs * d * heads, _KeyRanges.of(blocks, t), block
+
+
+def check_against_flex(name: str, forward, inputs, grad_out, q, k, v, mask, device) -> None:
+    """Largest difference of the output and the gradients to FlexAttention's on the same inputs,
+    relative to the largest FlexAttention value."""
+    out = forward()
+    out.backward(grad_out)
+    mine = [out.detach(), *(x.grad for x in inputs)]
+    for x in inputs:
+        x.grad = None
+    cuda = device.type == "cuda"  # eager FlexAttention (CPU) has no backward: the output only there
+    ref_in = [x.detach().requires_grad_(cuda) for x in (q, k, v)]
+    fn = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+    ref = fn(*ref_in, block_mask=mask, enable_gqa=True)
+    theirs = [ref[0].detach()]
+    if cuda:
+        ref.backward(grad_out[None])
+        theirs += [x.grad[0] for x in ref_in]
+    diffs = [f"{n} {((a.float() - b.float()).abs().max() / b.float().abs().max()).item():.2e}"
+             for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs, strict=False)]
+    print(f"{name}: max |difference| / max |FlexAttention|: {', '.join(diffs)}", flush=True)
 
 
 def timed(fn, device, reps: int) -> float:
@@ -119,10 +154,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "
-                    + ", ".join([*SETTINGS, *TRAINER_LAYOUT]) + f", autotune, {GENERAL_MASK}")
+                    + ", ".join([*SETTINGS, *TRAINER_LAYOUT, *RANGES]) + f", autotune, {GENERAL_MASK}")
     args = ap.parse_args()
     device = start_logging_and_device()
-    masks, q, k, v, fwd_flops = case(device, args.small)
+    masks, q, k, v, fwd_flops, ranges, block = case(device, args.small)
     print(f"{q.shape[2]:,} queries x {k.shape[2]:,} keys; mask sparsity {masks[''].sparsity():.1f}%; "
           f"{fwd_flops / 1e12:.2f} TFLOP forward over the admitted pairs", flush=True)
     print("| setting | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---:|---:|---:|---:|")
@@ -133,7 +168,16 @@ def main() -> None:
         else:
             fn = torch.compile(flex_attention, dynamic=False,
                                mode="max-autotune-no-cudagraphs" if name == "autotune" else None)
-        if name in TRAINER_LAYOUT:
+        if name in RANGES:
+            cfg = RANGES[name] if not args.small else KernelConfig(fwd_m=16, fwd_n=16, bwd_n=16, bwd_m=16,
+                                                                   fwd_warps=4, bwd_warps=4)
+            plan = plan_ranges(ranges.ctx_lo, ranges.ctx_hi, block_size=block, num_context=ranges.own_lo[0].item(),
+                               config=cfg)
+            qg, kg, vg = (x[0].detach().requires_grad_(True) for x in (q, k, v))
+            forward = functools.partial(range_attention, qg, kg, vg, plan)
+            grad_out = torch.randn_like(qg)
+            check_against_flex(name, forward, (qg, kg, vg), grad_out, q, k, v, masks[""], device)
+        elif name in TRAINER_LAYOUT:
             rows = [x[0].transpose(0, 1).reshape(x.shape[2], -1).detach().requires_grad_(device.type == "cuda")
                     for x in (q, k, v)]
             cos, sin = torch.randn(2, k.shape[2], q.shape[-1], device=device, dtype=q.dtype)
@@ -152,7 +196,7 @@ def main() -> None:
         try:
             f = timed(forward, device, args.reps)
             fb = timed(lambda call=forward, g=grad_out: call().backward(g), device, args.reps) \
-                if device.type == "cuda" else float("nan")
+                if device.type == "cuda" or name in RANGES else float("nan")
         except Exception as e:  # a setting the kernel cannot run (e.g. shared memory): report, go on
             print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
             continue
