@@ -29,7 +29,11 @@ import torch
 from dflash_cache.triton_support import check_triton_device, on_device_of, require_triton
 
 _WHO = "AdamW kernel"
-BLOCK = 4096  # elements per program
+# Elements and warps per program. On an H200 (bench/optimizer.py, 2026-12-02) the bench drafter's
+# step took 7.19 ms with 1,024 elements, 7.32 with 2,048, 7.48 with 4,096 (4.08 to 3.92 TB/s over
+# its 28 bytes a parameter): the smaller programs leave less of a tail at each parameter's end.
+BLOCK = 1024
+NUM_WARPS = 4
 tl = None  # triton.language, bound on first kernel build (the import is lazy)
 _round_to_bf16 = None  # the kernel's helper, bound there too
 
@@ -84,14 +88,16 @@ class TritonAdamW(torch.optim.AdamW):
     TRITON_INTERPRET=1). Weights are float32, or bf16 with a float32 master here once
     `lower_precision` made them so; gradients have the weight's dtype. A `grad_scale` attribute set
     before `step` divides every gradient as it is read (what `clipped_step` sets for the clip), as
-    torch's fused AdamW divides by it."""
+    torch's fused AdamW divides by it. `block` and `num_warps` are the kernel's launch settings
+    (elements per program, warps per program: what bench/optimizer.py compares)."""
 
     _step_supports_amp_scaling = True  # step() honours grad_scale (clipped_step asks this)
 
-    def __init__(self, params, **kwargs) -> None:
+    def __init__(self, params, *, block: int = BLOCK, num_warps: int = NUM_WARPS, **kwargs) -> None:
         if kwargs.get("amsgrad") or kwargs.get("maximize"):
             raise ValueError("TritonAdamW implements plain AdamW (no amsgrad, no maximize)")
         super().__init__(params, **{**kwargs, "foreach": False, "fused": False})
+        self.block, self.num_warps = block, num_warps
         self._masters: dict[torch.Tensor, torch.Tensor] = {}  # bf16 parameter -> its float32 value
 
     @torch.no_grad()
@@ -159,12 +165,13 @@ class TritonAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 t = float(state["step"])
                 with on_device_of(p):
-                    _build_kernel(interpret)[(triton_cdiv(p.numel(), BLOCK),)](
+                    _build_kernel(interpret)[(triton_cdiv(p.numel(), self.block),)](
                         p, p.grad, state["exp_avg"], state["exp_avg_sq"], p if master is None else master,
                         divisor if divisor is not None else p,
                         p.numel(), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["lr"] / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
-                        HAS_DIVISOR=divisor is not None, HAS_MASTER=master is not None, BLOCK=BLOCK)
+                        HAS_DIVISOR=divisor is not None, HAS_MASTER=master is not None, BLOCK=self.block,
+                        num_warps=self.num_warps)
         return loss
 
 

@@ -1,0 +1,83 @@
+"""The optimizer stage alone: the clip's gradient norm and TritonAdamW's step on the bench drafter.
+
+The bench configuration's drafter (5 layers, hidden 4096, intermediate 12288, 32/8 heads of 128;
+1.05B trained parameters), its linear weights bf16 with float32 masters as the trainer holds them
+on a GPU, random bf16 gradients. Times, in one process: the gradient norm as the trainer takes it
+(`total_grad_norm`, torch's multi-tensor norm) and as one float32 norm per tensor; and the AdamW
+step at several launch settings (elements and warps per program), each with the bandwidth over
+the bytes it must move (28 a parameter). `--small` runs a shrunken drafter on a CPU under
+TRITON_INTERPRET=1 to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import bench_drafter_config, start_logging_and_device  # noqa: E402
+from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS, TritonAdamW  # noqa: E402
+from dflash_cache.train.drafter import init_drafter  # noqa: E402
+from dflash_cache.train.optim import BETAS, EPS, param_groups, total_grad_norm  # noqa: E402
+from dflash_cache.train.precision import linear_weights  # noqa: E402
+
+LAUNCHES = [(BLOCK, NUM_WARPS), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+
+
+def per_tensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The same total norm from one float32 reduction per tensor."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Mean seconds per call after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="a shrunken drafter on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    device = start_logging_and_device()
+    shape = dict(hidden=64, inter=192, heads=4, kv=2, head_dim=16) if args.small else \
+        dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128)
+    cfg = bench_drafter_config(**shape, vocab=151936, layers=5, block=16, layer_ids=(1, 9, 17, 25, 33))
+    model = init_drafter(cfg, seed=0).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    print(f"{device}: {len(params)} parameters, {n / 1e9:.3f}B elements", flush=True)
+    opt = TritonAdamW(param_groups(model, 0.01), lr=1e-4, betas=BETAS, eps=EPS)
+    opt.lower_precision(linear_weights(model))
+    g = torch.Generator(device=device).manual_seed(0)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(p.dtype)
+    grads = [p.grad for p in params]
+    reps = 2 if args.small else args.reps
+    for name, fn in (("total_grad_norm (multi-tensor, trainer)", total_grad_norm), ("one norm per tensor", per_tensor_norm)):
+        t = timed(lambda f=fn: f(grads), device, reps)
+        gb = sum(x.numel() * x.element_size() for x in grads) / 1e9
+        print(f"| {name} | {1e3 * t:.3f} ms | {gb / t / 1e3:.2f} TB/s |", flush=True)
+    print(f"norms agree: {float(total_grad_norm(grads)):.6f} {float(per_tensor_norm(grads)):.6f}")
+    print("| block | warps | AdamW step ms | TB/s (28 bytes a parameter) |\n|---:|---:|---:|---:|")
+    for block, warps in LAUNCHES if not args.small else LAUNCHES[:2]:
+        opt.block, opt.num_warps = block, warps  # the same parameters, masters and moments for each
+        t = timed(opt.step, device, reps)
+        print(f"| {block} | {warps} | {1e3 * t:.3f} | {28 * n / t / 1e12:.2f} |", flush=True)
+
+if __name__ == "__main__":
+    main()
