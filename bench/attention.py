@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import start_logging_and_device  # noqa: E402
+from bench.common import start_logging_and_device, timed  # noqa: E402
 from bench.range_attention import KernelConfig, plan_ranges, range_attention  # noqa: E402
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
@@ -133,20 +132,6 @@ def check_against_flex(name: str, forward, inputs, grad_out, q, k, v, mask, devi
     diffs = [f"{n} {((a.float() - b.float()).abs().max() / b.float().abs().max()).item():.2e}"
              for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs, strict=False)]
     print(f"{name}: max |difference| / max |FlexAttention|: {', '.join(diffs)}", flush=True)
-
-
-def timed(fn, device, reps: int) -> float:
-    """Mean seconds per call after two warm-up calls (compiles)."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:

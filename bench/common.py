@@ -4,6 +4,7 @@ and the manifest of a synthetic cache."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -47,3 +48,17 @@ def commit_synthetic_manifest(root: Path, *, codec: str, layer_ids: tuple[int, .
     write_manifest(root, Manifest(target=target, layer_ids=tuple(layer_ids), hidden_size=hidden, codec=codec,
                                   codec_layout=get_codec(codec).layout, dataset_fingerprint="synthetic", dataset_description="synthetic", plan=plan))
     write_index(root, read_records(root))
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Mean seconds per call after two warm-up calls (compiles)."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps

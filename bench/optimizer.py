@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_drafter_config, start_logging_and_device  # noqa: E402
+from bench.common import bench_drafter_config, start_logging_and_device, timed  # noqa: E402
 from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS, TritonAdamW  # noqa: E402
 from dflash_cache.train.drafter import init_drafter  # noqa: E402
 from dflash_cache.train.optim import BETAS, EPS, param_groups, total_grad_norm  # noqa: E402
@@ -32,20 +31,6 @@ LAUNCHES = [(BLOCK, NUM_WARPS), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (819
 def per_tensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The same total norm from one float32 reduction per tensor."""
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-
-
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Mean seconds per call after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
