@@ -61,6 +61,15 @@ RANGES: dict[str, KernelConfig] = {
     "ranges bwd 128/32": KernelConfig(bwd_n=128, bwd_m=32, bwd_warps=8, bwd_stages=2),
     "ranges bwd 128/64 s3": KernelConfig(bwd_stages=3),
     "ranges bwd 128/64 w4": KernelConfig(bwd_warps=4),
+    # dQ by programs of its own, no atomic adds (seven products a pair, as FlexAttention's)
+    "ranges split": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True),
+    "ranges split dq 64/64 w4": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True, dq_m=64, dq_n=64,
+                                             dq_warps=4),
+    "ranges split dq s3": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True, dq_stages=3),
+    "ranges split dq 128/32": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True, dq_n=32),
+    "ranges split bwd s3": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True, bwd_stages=3),
+    "ranges split bwd 64/64 w4": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4, split_dq=True, bwd_n=64,
+                                              bwd_m=64, bwd_warps=4),
 }
 # The same blocks with the general rule as their mask_mod (eight int64 lookups per pair, where the
 # trainer's key ranges make three int32 lookups per query block): default options.

@@ -1,9 +1,10 @@
 """Full attention over the DFlash mask's two key ranges per block, as Triton kernels: an experiment
 that `bench/attention.py` times against FlexAttention (settings "ranges ..."). Not adopted: on an
 NVIDIA H200 (2026-12-02) its forward matched FlexAttention's (2.72 against 2.71 ms a layer) and its
-backward was slower (forward+backward 15.3 against 10.9 ms). By inference, the query gradient's
-float32 atomic adds cost more than the two products they save: halving the key tile, which doubles
-the adds per product, took 21.6 ms (`bench/results/2026-12-02-h200-attention-ranges.log`).
+backward was slower, forward+backward 15.2-17.7 against 10.8-10.9 ms, with dQ by atomic adds and
+with dQ by programs of its own alike (`bench/results/2026-12-02-h200-attention-ranges*.log`). So
+the atomic adds are not what it pays for; its dK/dV programs are slower than FlexAttention's, for a
+reason not found here (no hardware counters were read).
 
 Every row of a block sees the same keys: its document's context rows ``[ctx_lo, ctx_hi)`` and its
 own block's ``B`` keys (`dflash_cache.train.masks._KeyRanges`). A query tile of whole blocks
@@ -13,8 +14,9 @@ run and that square's off-diagonal blocks.
 
 The backward takes five products per (key tile, query tile) pair where FlexAttention's takes seven:
 each key tile's program also forms that pair's query gradient and adds it into a float32 buffer
-(`tl.atomic_add`), instead of a second set of programs computing the scores again for dQ. The
-float32 sums' order then varies from run to run, by float32 rounding.
+(`tl.atomic_add`), instead of a second set of programs computing the scores again for dQ; the
+float32 sums' order then varies from run to run, by float32 rounding. `KernelConfig.split_dq`
+computes dQ by such programs instead (seven products, no atomic adds).
 
 Shapes: q [Hq, Q, D], k and v [Hkv, T + Q, D] (any strides with unit last stride), Hq a multiple
 of Hkv; out [Hq, Q, D] and log-sum-exp (base 2) [Hq, Q] float32.
@@ -50,6 +52,11 @@ class KernelConfig:
     bwd_m: int = 64
     bwd_warps: int = 8
     bwd_stages: int = 2
+    split_dq: bool = False  # dQ by programs of its own (three products a pair), no atomic adds
+    dq_m: int = 128
+    dq_n: int = 64
+    dq_warps: int = 8
+    dq_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,8 @@ class RangePlan:
     """What the kernels read besides q/k/v, all on the device and built without a host sync.
 
     ``ctx_lo``/``ctx_hi`` int32 [A]: each block's context rows. ``fwd_order`` int32: forward query
-    tiles, longest key run first (the tail of the launch then holds the short ones).
-    ``bwd_tiles``/``bwd_q_lo``/``bwd_q_hi`` int32: context key tiles, most query rows first, and the
+    tiles, longest key run first (the tail of the launch then holds the short ones); ``dq_order`` the
+    same for the dQ programs' tiles. ``bwd_tiles``/``bwd_q_lo``/``bwd_q_hi`` int32: context key tiles, most query rows first, and the
     query rows [lo, hi) whose blocks may see each of them.
     """
 
@@ -68,29 +75,35 @@ class RangePlan:
     ctx_lo: torch.Tensor
     ctx_hi: torch.Tensor
     fwd_order: torch.Tensor
+    dq_order: torch.Tensor
     bwd_tiles: torch.Tensor
     bwd_q_lo: torch.Tensor
     bwd_q_hi: torch.Tensor
     config: KernelConfig
 
 
+def _tile_order(lo: torch.Tensor, hi: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """Query tiles of `per_tile` blocks, the longest run of context keys first (empty runs count 0):
+    the tail of the launch then holds the short ones."""
+    n_tiles = -(-lo.shape[0] // per_tile)
+    pad = n_tiles * per_tile - lo.shape[0]
+    span = torch.nn.functional.pad(hi - lo, (0, pad)).view(n_tiles, per_tile)
+    run = (torch.nn.functional.pad(hi, (0, pad)).view(n_tiles, per_tile).amax(1)
+           - torch.nn.functional.pad(lo, (0, pad), value=2**30).view(n_tiles, per_tile).amin(1))
+    return torch.argsort(torch.where(span.amax(1) > 0, run, 0), descending=True, stable=True).to(torch.int32)
+
+
 def plan_ranges(ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, *, block_size: int, num_context: int,
                 config: KernelConfig = KernelConfig()) -> RangePlan:
     """The launch plan of one mask (shared by every full-attention layer of a step)."""
     B, A = block_size, int(ctx_lo.shape[0])
-    if config.fwd_m % B or config.bwd_n % B:
-        raise ValueError(f"tile sizes {config.fwd_m}/{config.bwd_n} must be multiples of the block size {B}")
+    if config.fwd_m % B or config.bwd_n % B or config.dq_m % B:
+        raise ValueError(f"tile sizes {config.fwd_m}/{config.bwd_n}/{config.dq_m} must be multiples of the "
+                         f"block size {B}")
     device, i32 = ctx_lo.device, torch.int32
     lo, hi = ctx_lo.to(i32), ctx_hi.to(i32)
-    # forward: per query tile, the context keys its blocks span (empty runs count 0)
-    per_tile = config.fwd_m // B
-    n_fwd = -(-A // per_tile)
-    pad = n_fwd * per_tile - A
-    span = torch.nn.functional.pad(hi - lo, (0, pad)).view(n_fwd, per_tile)
-    run = (torch.nn.functional.pad(hi, (0, pad)).view(n_fwd, per_tile).amax(1)
-           - torch.nn.functional.pad(lo, (0, pad), value=2**30).view(n_fwd, per_tile).amin(1))
-    run = torch.where(span.amax(1) > 0, run, 0)
-    fwd_order = torch.argsort(run, descending=True, stable=True).to(i32)
+    fwd_order = _tile_order(lo, hi, config.fwd_m // B)
+    dq_order = _tile_order(lo, hi, config.dq_m // B)
     # backward: per context key tile, the first and last block that sees any of its keys
     n_kv = -(-num_context // config.bwd_n)
     k0 = torch.arange(n_kv, device=device, dtype=i32) * config.bwd_n
@@ -101,7 +114,8 @@ def plan_ranges(ctx_lo: torch.Tensor, ctx_hi: torch.Tensor, *, block_size: int, 
     q_lo = torch.where(any_, first * B, 0).to(i32)
     q_hi = torch.where(any_, (last + 1) * B, 0).to(i32)
     bwd_tiles = torch.argsort(q_hi - q_lo, descending=True, stable=True).to(i32)
-    return RangePlan(B, num_context, A * B, lo, hi, fwd_order, bwd_tiles, q_lo[bwd_tiles], q_hi[bwd_tiles], config)
+    return RangePlan(B, num_context, A * B, lo, hi, fwd_order, dq_order, bwd_tiles, q_lo[bwd_tiles],
+                     q_hi[bwd_tiles], config)
 
 
 if tl is not None:
@@ -164,15 +178,65 @@ if tl is not None:
 
     @triton.jit
     def _bwd_pair(k, v, q, do, lse, delta, ok, dk, dv, qk_scale):
-        """dK/dV of one (key tile, query tile) pair, and its dQ part (before the softmax scale)."""
+        """dK/dV of one (key tile, query tile) pair, and dS^T for its dQ part."""
         s_t = tl.dot(k, tl.trans(q)) * qk_scale                    # [N, M]
         p_t = tl.where(ok, tl.exp2(s_t - lse[None, :]), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk += tl.dot(ds_t, q)
-        dq = tl.dot(tl.trans(ds_t), k)                              # [M, D]
-        return dk, dv, dq
+        return dk, dv, ds_t
+
+    @triton.jit
+    def _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale):
+        """dQ of one (query tile, key tile) pair (before the softmax scale): three products."""
+        s = tl.dot(q, tl.trans(k)) * qk_scale                      # [M, N]
+        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        return dq + tl.dot(ds, k)
+
+    @triton.jit
+    def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, ORDER,
+                   s_qh, s_qm, s_kh, s_kn, s_vh, s_vn, s_doh, s_dom, s_dqh, s_dqm,
+                   n_ctx, n_q, qk_scale, sm_scale,
+                   GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_HEADS: tl.constexpr):
+        """One program per (query tile, q head): the forward's walk, accumulating dQ."""
+        pid = tl.program_id(0)
+        h = pid % N_HEADS
+        tile = tl.load(ORDER + pid // N_HEADS)
+        hk = h // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_q
+        blk = rows // BLOCK
+        lo_r = tl.load(LO + blk, mask=row_ok, other=0)
+        hi_r = tl.load(HI + blk, mask=row_ok, other=0)
+        has = row_ok & (hi_r > lo_r)
+        lo = tl.min(tl.where(has, lo_r, n_ctx), 0)
+        hi = tl.max(tl.where(has, hi_r, 0), 0)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + h * s_qh + rows[:, None] * s_qm + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + h * s_doh + rows[:, None] * s_dom + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + h * n_q + rows, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + h * n_q + rows, mask=row_ok, other=0.0)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kb, vb = K + hk * s_kh, V + hk * s_vh
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < hi
+            k = tl.load(kb + cols[:, None] * s_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(vb + cols[:, None] * s_vn + d[None, :], mask=col_ok[:, None], other=0.0)
+            ok = (cols[None, :] >= lo_r[:, None]) & (cols[None, :] < hi_r[:, None]) & row_ok[:, None]
+            dq = _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale)
+        own = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        own_ok = own < n_q
+        k = tl.load(kb + (n_ctx + own)[:, None] * s_kn + d[None, :], mask=own_ok[:, None], other=0.0)
+        v = tl.load(vb + (n_ctx + own)[:, None] * s_vn + d[None, :], mask=own_ok[:, None], other=0.0)
+        ok = (blk[:, None] == (own // BLOCK)[None, :]) & own_ok[None, :] & row_ok[:, None]
+        dq = _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale)
+        tl.store(DQ + h * s_dqh + rows[:, None] * s_dqm + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None])
 
     @triton.jit
     def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, LO, HI, TILES, QLO, QHI,
@@ -180,7 +244,7 @@ if tl is not None:
                     n_ctx, n_q, qk_scale, sm_scale,
                     GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_KV_HEADS: tl.constexpr,
-                    OWN: tl.constexpr):
+                    OWN: tl.constexpr, ATOMIC_DQ: tl.constexpr):
         """OWN=False: one program per (context key tile, kv head) over the query rows that may see
         it. OWN=True: one per (block-key tile, kv head), seen only by the same rows' blocks."""
         pid = tl.program_id(0)
@@ -220,9 +284,10 @@ if tl is not None:
                     lo_r = tl.load(LO + blk, mask=row_ok, other=0)
                     hi_r = tl.load(HI + blk, mask=row_ok, other=0)
                     ok = (keys[:, None] >= lo_r[None, :]) & (keys[:, None] < hi_r[None, :]) & row_ok[None, :]
-                dk, dv, dq = _bwd_pair(k, v, q, do, lse, delta, ok, dk, dv, qk_scale)
-                tl.atomic_add(DQ + h * s_dqh + rows[:, None] * s_dqm + d[None, :], dq, mask=row_ok[:, None],
-                              sem="relaxed")
+                dk, dv, ds_t = _bwd_pair(k, v, q, do, lse, delta, ok, dk, dv, qk_scale)
+                if ATOMIC_DQ:
+                    tl.atomic_add(DQ + h * s_dqh + rows[:, None] * s_dqm + d[None, :], tl.dot(tl.trans(ds_t), k),
+                                  mask=row_ok[:, None], sem="relaxed")
         tl.store(DK + hk * s_dkh + key_rows[:, None] * s_dkn + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
                  mask=key_ok[:, None])
         tl.store(DV + hk * s_dkh + key_rows[:, None] * s_dkn + d[None, :], dv.to(DV.dtype.element_ty),
@@ -252,18 +317,27 @@ def range_attention_backward(q, k, v, out, lse, grad_out, plan: RangePlan, scale
     hkv, n_k, _ = k.shape
     cfg = plan.config
     delta = (grad_out.float() * out.float()).sum(-1)  # [Hq, Q]
-    dq = torch.zeros(n_q, hq, d, device=q.device, dtype=torch.float32).transpose(0, 1)
     dk = torch.empty(n_k, hkv, d, device=k.device, dtype=k.dtype).transpose(0, 1)
     dv = torch.empty_like(dk)
+    if cfg.split_dq:
+        dq = torch.empty(n_q, hq, d, device=q.device, dtype=q.dtype).transpose(0, 1)
+        _dq_kernel[(int(plan.dq_order.shape[0]) * hq,)](
+            q, k, v, grad_out, lse, delta, dq, plan.ctx_lo, plan.ctx_hi, plan.dq_order,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), plan.num_context, n_q,
+            scale * LOG2E, scale, GROUP=hq // hkv, BLOCK=plan.block_size, HEAD_DIM=d, BLOCK_M=cfg.dq_m,
+            BLOCK_N=cfg.dq_n, N_HEADS=hq, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+    else:
+        dq = torch.zeros(n_q, hq, d, device=q.device, dtype=torch.float32).transpose(0, 1)
     common = dict(GROUP=hq // hkv, BLOCK=plan.block_size, HEAD_DIM=d, BLOCK_M=cfg.bwd_m, BLOCK_N=cfg.bwd_n,
-                  N_KV_HEADS=hkv, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
+                  N_KV_HEADS=hkv, ATOMIC_DQ=not cfg.split_dq, num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages)
     args = (q, k, v, grad_out, lse, delta, dq, dk, dv, plan.ctx_lo, plan.ctx_hi, plan.bwd_tiles, plan.bwd_q_lo,
             plan.bwd_q_hi, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
             plan.num_context, n_q, scale * LOG2E, scale)
     _bwd_kernel[(int(plan.bwd_tiles.shape[0]) * hkv,)](*args, OWN=False, **common)
     _bwd_kernel[(-(-n_q // cfg.bwd_n) * hkv,)](*args, OWN=True, **common)
-    return (dq * scale).to(q.dtype), dk, dv
+    return (dq if cfg.split_dq else (dq * scale).to(q.dtype)), dk, dv
 
 
 class _RangeAttention(torch.autograd.Function):
