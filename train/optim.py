@@ -54,12 +54,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """clip_grad_norm_'s total 2-norm, with each tensor's norm in float32: torch's `get_total_norm`
-    returns a bf16 gradient's norm in bf16, three significant digits."""
-    norms = []
-    for device_dtype in dict.fromkeys((g.device, g.dtype) for g in grads):  # in order: the same sum every run
-        norms.extend(torch._foreach_norm([g for g in grads if (g.device, g.dtype) == device_dtype], 2.0,
-                                         dtype=torch.float32))
-    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]))
+    returns a bf16 gradient's norm in bf16, three significant digits. One public reduction per
+    tensor, in order; on an H200 as fast as torch's multi-tensor norm (0.93 ms for the bench
+    drafter's 1.05B bf16 gradients, bench/optimizer.py)."""
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device)
+                                                 for g in grads]))
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> None:
