@@ -212,9 +212,6 @@ def main() -> None:
     ap.add_argument("--compare-fp32-weights", action="store_true",
                     help="also time the resident batches with float32 linear weights under autocast and torch's "
                          "fused AdamW (the trainer holds them in bf16 with float32 masters in TritonAdamW on a GPU)")
-    ap.add_argument("--compare-device-ahead", action="store_true",
-                    help="also time the first cache with no batch copied to the device ahead (each batch's copy "
-                         "issued when the trainer asks for it, as before CacheSource's device_ahead)")
     ap.add_argument("--compare-dynamic", action="store_true",
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
@@ -255,9 +252,6 @@ def main() -> None:
         print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
         cfg = TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw)
         sources[codec] = CacheSource(CacheReader(root), source_config(cfg), device=device)
-        if args.compare_device_ahead and codec == codecs[0]:
-            sources[f"{codec}-device-ahead-0"] = CacheSource(CacheReader(root), source_config(cfg), device=device,
-                                                             device_ahead=0)
     # One trainer (one drafter, one optimiser) steps through every source in turn, so the
     # measurements differ only in where the batches come from.
     profiler = StageProfiler(10**9)  # the trainer sets its peak FLOP/s: reports give MFU
@@ -312,7 +306,7 @@ def main() -> None:
         model._layer_runners, model._edge_runners = runners["default"]
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *option_runs, *blas_runs, *row_runs, *sources, *precision_runs]:
+                     *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs, *precision_runs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg

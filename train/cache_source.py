@@ -6,8 +6,7 @@ Reading runs in background threads `prefetch` batches ahead (zarr decompression 
 GIL); each batch is packed there (`HostBatch.pack`, as extraction packs it) straight into pinned
 memory, then copied to the device on a side stream, where fp8 is dequantised (Triton on CUDA), and
 made into a `PackedBatch` as the live source makes its own. The consumer's stream waits on an
-event, never the host. The copy of the next batch is issued before the current one is handed out
-(`device_ahead`), so it runs during a whole step instead of in front of the next one.
+event, never the host.
 """
 
 from __future__ import annotations
@@ -31,18 +30,13 @@ from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, p
 
 log = logging.getLogger(__name__)
 
-# Batches already on the device besides the one being trained on (train.memory counts them). With
-# none, the next batch's copy and dequantisation (~9 ms for 12,288 tokens of five 4,096-wide fp8
-# layers on an H200) start when the trainer asks for it and the step waits for them.
-DEVICE_AHEAD = 1
-
 
 class CacheSource:
     """Yields (Position after this batch, PackedBatch on `device`) for one rank."""
 
     def __init__(self, reader: CacheReader, config: SourceConfig, *, device: torch.device, rank: int = 0,
-                 world: int = 1, profiler: StageProfiler | None = None, device_ahead: int = DEVICE_AHEAD) -> None:
-        self.reader, self.config, self.device, self.device_ahead = reader, config, device, device_ahead
+                 world: int = 1, profiler: StageProfiler | None = None) -> None:
+        self.reader, self.config, self.device = reader, config, device
         self.rank, self.world = rank, world
         self.profiler = profiler or StageProfiler(None)
         index = reader.index
@@ -83,13 +77,10 @@ class CacheSource:
                     pending.append((position, pool.submit(self._read_host, rows)))
 
             refill()
-            on_device: deque[tuple[Position, PackedBatch]] = deque()
-            while pending or on_device:
-                while pending and len(on_device) <= self.device_ahead:
-                    position, fut = pending.popleft()
-                    refill()
-                    on_device.append((position, self._to_device(fut.result())))
-                yield on_device.popleft()
+            while pending:
+                position, fut = pending.popleft()
+                refill()
+                yield position, self._to_device(fut.result())
 
     def _planned(self, start: Position, epochs: int | None) -> Iterator[tuple[Position, np.ndarray]]:
         """(position after the batch, its rows) of this rank from the global position `start` on."""

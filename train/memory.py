@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.train.cache_source import DEVICE_AHEAD
 from dflash_cache.train.config import DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -38,8 +37,7 @@ QUERY_FP32 = (10, 0, 0)     # residual, norms' inputs and outputs, q norm and ro
 CONTEXT_LOW = (1, 0, 4)     # the context's k/v projection input, k, v, k rope
 CONTEXT_FP32 = (1, 0, 6)    # the fused context row, k norm and rope
 LOSS_FP32_PER_QUERY = 4     # x H: final norm and the loss chunk's hidden copy
-FEATURE_BYTES = 2           # a batch's bf16 features, N x H per context token
-FEATURE_BATCHES = 1 + DEVICE_AHEAD  # the batch trained on and those the cache source copied ahead
+FEATURE_BYTES = 2           # the batch's bf16 features, N x H per context token
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +71,7 @@ def step_memory(cfg: DrafterConfig, device: torch.device) -> StepMemory:
         h * cfg.num_attention_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim)
     head = 2 * cfg.vocab_size * h * low  # embedding and LM head, frozen
     per_query = cfg.num_layers * per_token(QUERY_LOW, QUERY_FP32) + LOSS_FP32_PER_QUERY * h * 4
-    per_context = cfg.num_layers * per_token(CONTEXT_LOW, CONTEXT_FP32) \
-        + FEATURE_BATCHES * cfg.num_target_layers * h * FEATURE_BYTES \
+    per_context = cfg.num_layers * per_token(CONTEXT_LOW, CONTEXT_FP32) + cfg.num_target_layers * h * FEATURE_BYTES \
         + 3 * h * 4  # fc output and hidden_norm
     return StepMemory(fixed=16 * params + head, per_query=per_query, per_context=per_context)
 

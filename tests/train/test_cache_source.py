@@ -90,28 +90,6 @@ def test_resume_from_a_position_continues_the_same_stream(small_cache):
     assert full[n - 1][0] == Position(0, n) and full[n][0] == Position(1, 1)
 
 
-@pytest.mark.parametrize("ahead", [0, 1])
-def test_the_next_batch_goes_to_the_device_before_this_one_is_handed_out(small_cache, monkeypatch, ahead):
-    """With `device_ahead` 1 (the default) the copy of batch i + 1 is issued before batch i reaches
-    the trainer, so it runs during step i; with 0 only when batch i + 1 is asked for. Batches and
-    positions are the same either way."""
-    reader = CacheReader(small_cache)
-    cfg = SourceConfig(token_budget=300, min_supervised=1, prefetch=3, read_threads=2)
-    source = CacheSource(reader, cfg, device=torch.device("cpu"), device_ahead=ahead)
-    copied = []
-    to_device = source._to_device
-    monkeypatch.setattr(source, "_to_device", lambda read: copied.append(1) or to_device(read))
-    n = source.batches_per_epoch()
-    assert n >= 3
-    seen = []
-    for i, (position, batch) in enumerate(source.iterate(Position(0, 0), epochs=1)):
-        assert len(copied) == min(i + 1 + ahead, n), f"batch {i}: {len(copied)} copies issued"
-        seen.append((position, batch.sample_ids.tolist()))
-    plain = CacheSource(reader, cfg, device=torch.device("cpu"), device_ahead=0)
-    assert seen == [(p, b.sample_ids.tolist()) for p, b in plain.iterate(Position(0, 0), epochs=1)]
-    assert CacheSource(reader, cfg, device=torch.device("cpu")).device_ahead == 1
-
-
 def test_manifest_mismatch_names_the_field(small_cache):
     m = CacheReader(small_cache).manifest
     ok = dict(target_config_hash=m.target.config_hash, layer_ids=m.layer_ids, hidden_size=m.hidden_size,
