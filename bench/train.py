@@ -216,6 +216,9 @@ def main() -> None:
                     help="also time the resident batches through the dynamic-shape graph alone (compiled)")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="then trace N resident steps with torch.profiler: top kernels, host syncs, GPU busy share")
+    ap.add_argument("--trace-source", default="resident", metavar="NAME",
+                    help="what --trace steps through: 'resident' or a codec of --codecs (that cache, its page "
+                         "cache dropped and 2 untimed steps first; reader threads' CUDA calls are traced too)")
     add_common_args(ap, "/tmp/dflash-bench-train")
     args = ap.parse_args()
     prefer_expandable_segments()  # as `dflash-cache train` does, before the first CUDA allocation
@@ -363,45 +366,60 @@ def main() -> None:
     if args.trace:
         if set_precision(trainer, default_precision):
             timed_steps(trainer, iter(resident), min(2, len(resident)), device)  # compiles: not traced
-        results["trace"] = trace_steps(trainer, resident[:args.trace], device)
+        if args.trace_source == "resident":
+            traced = resident[:args.trace]
+        else:
+            drop_page_cache()
+            batches = (b for _, b in sources[args.trace_source].iterate(Position(0, 0)))
+            timed_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+            traced = batches
+        results["trace"] = trace_steps(trainer, itertools.islice(traced, args.trace), device)
+        results["trace"]["source"] = args.trace_source
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def trace_steps(trainer: Trainer, batches: list, device) -> dict:
+def trace_steps(trainer: Trainer, batches, device) -> dict:
     """Kernel-level view of a few steps: where device time goes, which host calls wait for the
     device, and how busy the device is between the first and the last kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     sync(device)
     retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+    steps = 0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        t0 = time.perf_counter()
         for batch in batches:
             trainer.train_step(batch)
+            steps += 1
         sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
     events = prof.events()
     kernels = [e for e in events if e.device_type.name == "CUDA"]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
     waits = {}
     for e in events:
-        if any(w in e.name for w in ("Synchronize", "cudaFree", "cudaMalloc", "cudaHostAlloc", "EventSynchronize")):
+        if any(w in e.name for w in ("Synchronize", "cudaFree", "cudaMalloc", "cudaHostAlloc", "cudaHostRegister",
+                                     "EventSynchronize")):
             n, us = waits.get(e.name, (0, 0))
             waits[e.name] = (n + 1, us + e.cpu_time_total)
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
-    out = {"steps": len(batches), "device_busy_ms": busy_us / 1e3, "device_span_ms": span_us / 1e3,
+    out = {"steps": steps, "wall_ms": wall_ms, "device_busy_ms": busy_us / 1e3, "device_span_ms": span_us / 1e3,
            "busy_share": busy_us / max(span_us, 1), "host_waits": {k: {"calls": n, "ms": us / 1e3}
                                                                    for k, (n, us) in waits.items()},
            "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
            "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
            "kernels": prof.key_averages().table(sort_by="self_device_time_total", row_limit=45),
-           "kernel_names": kernel_times(prof, len(batches)),
-           "matmuls": matmul_rates(prof, len(batches))}
+           "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25),
+           "kernel_names": kernel_times(prof, steps),
+           "matmuls": matmul_rates(prof, steps)}
     print(out["kernels"])
+    print(out["host_ops"])
     print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
     for r in out["matmuls"]:
         print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
-    print({k: v for k, v in out.items() if k not in ("kernels", "kernel_names", "matmuls")}, flush=True)
+    print({k: v for k, v in out.items() if k not in ("kernels", "host_ops", "kernel_names", "matmuls")}, flush=True)
     return out
 
 
