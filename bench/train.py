@@ -396,6 +396,7 @@ def trace_steps(trainer: Trainer, batches, device) -> dict:
         wall_ms = (time.perf_counter() - t0) * 1e3
     events = prof.events()
     kernels = [e for e in events if e.device_type.name == "CUDA"]
+    idle_us, gaps = device_gaps(kernels)
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     span_us = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) if kernels else 0
     waits = {}
@@ -406,7 +407,8 @@ def trace_steps(trainer: Trainer, batches, device) -> dict:
             waits[e.name] = (n + 1, us + e.cpu_time_total)
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     out = {"steps": steps, "wall_ms": wall_ms, "device_busy_ms": busy_us / 1e3, "device_span_ms": span_us / 1e3,
-           "busy_share": busy_us / max(span_us, 1), "host_waits": {k: {"calls": n, "ms": us / 1e3}
+           "busy_share": busy_us / max(span_us, 1), "idle_ms_per_step": idle_us / 1e3 / max(steps, 1),
+           "largest_idle_gaps": gaps, "host_waits": {k: {"calls": n, "ms": us / 1e3}
                                                                    for k, (n, us) in waits.items()},
            "alloc_retries": stats.get("num_alloc_retries", 0) - retries0,
            "reserved_peak_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
@@ -419,8 +421,29 @@ def trace_steps(trainer: Trainer, batches, device) -> dict:
     print("| matrix product [M, K] x [K, N] | calls/step | ms/step | TFLOP/s |\n|---|---:|---:|---:|")
     for r in out["matmuls"]:
         print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
-    print({k: v for k, v in out.items() if k not in ("kernels", "host_ops", "kernel_names", "matmuls")}, flush=True)
+    print({k: v for k, v in out.items() if k not in ("kernels", "host_ops", "kernel_names", "matmuls",
+                                                      "largest_idle_gaps")}, flush=True)
+    print("| device idle ms | after | before |\n|---:|---|---|")
+    for g in gaps:
+        print(f"| {g['ms']:.2f} | {g['after'][:70]} | {g['before'][:70]} |")
     return out
+
+
+def device_gaps(kernels: list, top: int = 12) -> tuple[float, list[dict]]:
+    """Microseconds no kernel or copy ran on the device (any stream) between the first and the last,
+    and the `top` longest such gaps with the work on either side: what the device waited for.
+    The compiled graphs' own "## Call" ranges span their kernels and are left out."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels if not e.name.startswith("## "))
+    if not spans:
+        return 0.0, []
+    gaps, (_, end, last) = [], spans[0]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    return sum(g[0] for g in gaps), [{"ms": us / 1e3, "after": a, "before": b} for us, a, b in gaps[:top]]
 
 
 def kernel_times(prof, steps: int, top: int = 60) -> list[dict]:
