@@ -14,6 +14,7 @@ and gradients are from FlexAttention's on the same inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ SETTINGS: dict[str, dict] = {
     "tma": {"USE_TMA": True},
     "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
 }
-# bench/range_attention.py's Triton kernels (two key ranges per block, five products per backward pair)
+# bench/range_attention.py's Triton kernels (two key ranges per block; dQ by atomic adds: five products
+# per backward pair)
 RANGES: dict[str, KernelConfig] = {
     "ranges": KernelConfig(),
     "ranges fwd 64/64 w4": KernelConfig(fwd_m=64, fwd_n=64, fwd_warps=4),
@@ -163,9 +165,10 @@ def main() -> None:
             fn = torch.compile(flex_attention, dynamic=False,
                                mode="max-autotune-no-cudagraphs" if name == "autotune" else None)
         if name in RANGES:
-            cfg = RANGES[name] if not args.small else KernelConfig(fwd_m=16, fwd_n=16, bwd_n=16, bwd_m=16,
-                                                                   fwd_warps=4, bwd_warps=4)
-            plan = plan_ranges(ranges.ctx_lo, ranges.ctx_hi, block_size=block, num_context=ranges.own_lo[0].item(),
+            cfg = RANGES[name] if not args.small else dataclasses.replace(  # the setting's variant, small tiles
+                RANGES[name], fwd_m=16, fwd_n=16, bwd_n=16, bwd_m=16, dq_m=16, dq_n=16, fwd_warps=4, bwd_warps=4,
+                dq_warps=4)
+            plan = plan_ranges(ranges.ctx_lo, ranges.ctx_hi, block_size=block, num_context=k.shape[2] - q.shape[2],
                                config=cfg)
             qg, kg, vg = (x[0].detach().requires_grad_(True) for x in (q, k, v))
             forward = functools.partial(range_attention, qg, kg, vg, plan)
