@@ -1,8 +1,8 @@
 """Full attention over the DFlash mask's two key ranges per block, as Triton kernels: an experiment
 that `bench/attention.py` times against FlexAttention (settings "ranges ..."). Not adopted: on an
 NVIDIA H200 (2026-12-02) its forward matched FlexAttention's (2.72 against 2.71 ms a layer) and its
-backward was slower, forward+backward 15.2-17.7 against 10.8-10.9 ms, with dQ by atomic adds and
-with dQ by programs of its own alike (`bench/results/2026-12-02-h200-attention-ranges*.log`). So
+backward was slower, forward+backward 15.2 ms at best against 10.8-10.9 ms, with dQ by atomic adds
+and with dQ by programs of its own alike (`bench/results/2026-12-02-h200-attention-ranges*.log`). So
 the atomic adds are not what it pays for; its dK/dV programs are slower than FlexAttention's, for a
 reason not found here (no hardware counters were read).
 
