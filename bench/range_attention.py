@@ -134,15 +134,13 @@ if tl is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, OUT, LSE, LO, HI, ORDER,
-                    s_qh, s_qm, s_kh, s_kn, s_vh, s_vn, s_oh, s_om,
-                    n_ctx, n_q, qk_scale,
-                    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_HEADS: tl.constexpr):
+    def _query_tile(ORDER, LO, HI, n_ctx, n_q, GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    N_HEADS: tl.constexpr):
+        """This program's (q head, query tile, taken from ORDER), its rows, their context ranges and the
+        run of context keys [lo, hi) the tile walks (rows with no context leave it alone)."""
         pid = tl.program_id(0)
         h = pid % N_HEADS
         tile = tl.load(ORDER + pid // N_HEADS)
-        hk = h // GROUP
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_q
         blk = rows // BLOCK
@@ -151,6 +149,34 @@ if tl is not None:
         has = row_ok & (hi_r > lo_r)
         lo = tl.min(tl.where(has, lo_r, n_ctx), 0)
         hi = tl.max(tl.where(has, hi_r, 0), 0)
+        return h, h // GROUP, tile, rows, row_ok, blk, lo_r, hi_r, lo, hi
+
+    @triton.jit
+    def _context_keys(kb, vb, start, hi, lo_r, hi_r, s_kn, s_vn, d, BLOCK_N: tl.constexpr):
+        """K and V of the context keys [start, start + BLOCK_N) below `hi`, and which rows see them."""
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = tl.load(kb + cols[:, None] * s_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(vb + cols[:, None] * s_vn + d[None, :], mask=col_ok[:, None], other=0.0)
+        return k, v, (cols[None, :] >= lo_r[:, None]) & (cols[None, :] < hi_r[:, None])
+
+    @triton.jit
+    def _own_square(kb, vb, tile, blk, n_ctx, n_q, s_kn, s_vn, d, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+        """K and V of the tile's own blocks' keys (one square), visible where query and key share a block."""
+        own = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        own_ok = own < n_q
+        k = tl.load(kb + (n_ctx + own)[:, None] * s_kn + d[None, :], mask=own_ok[:, None], other=0.0)
+        v = tl.load(vb + (n_ctx + own)[:, None] * s_vn + d[None, :], mask=own_ok[:, None], other=0.0)
+        return k, v, (blk[:, None] == (own // BLOCK)[None, :]) & own_ok[None, :]
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, OUT, LSE, LO, HI, ORDER,
+                    s_qh, s_qm, s_kh, s_kn, s_vh, s_vn, s_oh, s_om,
+                    n_ctx, n_q, qk_scale,
+                    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_HEADS: tl.constexpr):
+        h, hk, tile, rows, row_ok, blk, lo_r, hi_r, lo, hi = _query_tile(ORDER, LO, HI, n_ctx, n_q, GROUP, BLOCK,
+                                                                          BLOCK_M, N_HEADS)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + h * s_qh + rows[:, None] * s_qm + d[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -158,18 +184,9 @@ if tl is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         kb, vb = K + hk * s_kh, V + hk * s_vh
         for start in range(lo, hi, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < hi
-            k = tl.load(kb + cols[:, None] * s_kn + d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(vb + cols[:, None] * s_vn + d[None, :], mask=col_ok[:, None], other=0.0)
-            ok = (cols[None, :] >= lo_r[:, None]) & (cols[None, :] < hi_r[:, None])
+            k, v, ok = _context_keys(kb, vb, start, hi, lo_r, hi_r, s_kn, s_vn, d, BLOCK_N)
             m_i, l_i, acc = _attend(q, k, v, ok, m_i, l_i, acc, qk_scale)
-        # the tile's own blocks: one square, visible where query and key share a block
-        own = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        own_ok = own < n_q
-        k = tl.load(kb + (n_ctx + own)[:, None] * s_kn + d[None, :], mask=own_ok[:, None], other=0.0)
-        v = tl.load(vb + (n_ctx + own)[:, None] * s_vn + d[None, :], mask=own_ok[:, None], other=0.0)
-        ok = (blk[:, None] == (own // BLOCK)[None, :]) & own_ok[None, :]
+        k, v, ok = _own_square(kb, vb, tile, blk, n_ctx, n_q, s_kn, s_vn, d, BLOCK, BLOCK_M)
         m_i, l_i, acc = _attend(q, k, v, ok, m_i, l_i, acc, qk_scale)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -203,18 +220,8 @@ if tl is not None:
                    GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_HEADS: tl.constexpr):
         """One program per (query tile, q head): the forward's walk, accumulating dQ."""
-        pid = tl.program_id(0)
-        h = pid % N_HEADS
-        tile = tl.load(ORDER + pid // N_HEADS)
-        hk = h // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_q
-        blk = rows // BLOCK
-        lo_r = tl.load(LO + blk, mask=row_ok, other=0)
-        hi_r = tl.load(HI + blk, mask=row_ok, other=0)
-        has = row_ok & (hi_r > lo_r)
-        lo = tl.min(tl.where(has, lo_r, n_ctx), 0)
-        hi = tl.max(tl.where(has, hi_r, 0), 0)
+        h, hk, tile, rows, row_ok, blk, lo_r, hi_r, lo, hi = _query_tile(ORDER, LO, HI, n_ctx, n_q, GROUP, BLOCK,
+                                                                          BLOCK_M, N_HEADS)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + h * s_qh + rows[:, None] * s_qm + d[None, :], mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + h * s_doh + rows[:, None] * s_dom + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -222,18 +229,10 @@ if tl is not None:
         delta = tl.load(DELTA + h * n_q + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         kb, vb = K + hk * s_kh, V + hk * s_vh
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < hi
-            k = tl.load(kb + cols[:, None] * s_kn + d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(vb + cols[:, None] * s_vn + d[None, :], mask=col_ok[:, None], other=0.0)
-            ok = (cols[None, :] >= lo_r[:, None]) & (cols[None, :] < hi_r[:, None]) & row_ok[:, None]
+        for start in range(lo, hi, BLOCK_N):  # rows past n_q see no key: their lo/hi are 0
+            k, v, ok = _context_keys(kb, vb, start, hi, lo_r, hi_r, s_kn, s_vn, d, BLOCK_N)
             dq = _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale)
-        own = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        own_ok = own < n_q
-        k = tl.load(kb + (n_ctx + own)[:, None] * s_kn + d[None, :], mask=own_ok[:, None], other=0.0)
-        v = tl.load(vb + (n_ctx + own)[:, None] * s_vn + d[None, :], mask=own_ok[:, None], other=0.0)
-        ok = (blk[:, None] == (own // BLOCK)[None, :]) & own_ok[None, :] & row_ok[:, None]
+        k, v, ok = _own_square(kb, vb, tile, blk, n_ctx, n_q, s_kn, s_vn, d, BLOCK, BLOCK_M)
         dq = _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale)
         tl.store(DQ + h * s_dqh + rows[:, None] * s_dqm + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None])
