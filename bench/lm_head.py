@@ -8,9 +8,11 @@ the same result: which form, if any, the loss should use.
   logits = hidden @ head.T        [c, H] x [H, V]
   grad   = grad_logits @ head     [c, V] x [V, H]   (or (head.T @ grad_logits.T).T)
 
-`--kernel-configs` also times the Triton loss kernel between them (dflash_cache.train.loss_kernel)
-on one chunk's bf16 logits, per launch setting (columns per iteration x warps): it reads the
-logits twice and writes them once, so its floor is that traffic over the copy bandwidth.
+`--kernel-configs` also times the Triton loss kernels between them (dflash_cache.train.loss_kernel)
+on one chunk's bf16 logits, per launch setting: `COLUMNSxWARPS` the two-pass kernel (columns per
+iteration; it reads the logits twice and writes them once), `segCOLUMNSxWARPS` the one-read
+experiment (bench/one_read_loss.py; columns per program, one read and one write). GB/s is each
+kernel's own traffic over its time.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rows", default="2048,3840,4096,7680,15360", help="chunk heights to time")
     ap.add_argument("--kernel-configs", default="",
-                    help="also time the Triton loss kernel at these COLUMNSxWARPS settings (e.g. 4096x8,2048x4)")
+                    help="also time the Triton loss kernels at these settings (e.g. 4096x8,seg16384x16)")
     ap.add_argument("--kernel-rows", type=int, default=3840, help="rows of the loss kernel's logits (one chunk)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -76,9 +78,10 @@ def main() -> None:
 
 
 def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, do_bench) -> list[dict]:
-    """The Triton loss kernel on [rows, vocab] bf16 logits per `BLOCKxWARPS` setting: median ms and
-    GB/s over its traffic (two reads and one write of the logits); each setting's loss, argmax and
-    gradient are checked against the first's."""
+    """The Triton loss kernels on [rows, vocab] bf16 logits per setting (`BLOCKxWARPS`, two-pass;
+    `segBLOCKxWARPS`, one read): median ms and GB/s over the kernel's traffic; each setting's loss,
+    argmax and gradient are checked against the first's."""
+    from bench.one_read_loss import logits_loss_and_grad_one_read
     from dflash_cache.train.loss_kernel import logits_loss_and_grad_triton
 
     g = torch.Generator(device=dev).manual_seed(0)
@@ -86,22 +89,29 @@ def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, 
     labels = torch.randint(0, vocab, (rows,), device=dev, generator=g)
     weights = torch.rand(rows, device=dev, generator=g)
     total = weights.sum()
-    traffic = 3 * logits.numel() * logits.element_size()
     out, reference = [], None
-    print("| columns x warps | ms | GB/s | same result |\n|---|---:|---:|---|")
+    print("| kernel | columns x warps | ms | GB/s | same result |\n|---|---|---:|---:|---|")
     for config in configs.split(","):
-        block, warps = (int(x) for x in config.split("x"))
-        run = functools.partial(logits_loss_and_grad_triton, labels=labels, weights=weights, total_weight=total,
-                                block=block, num_warps=warps)
+        one_read = config.startswith("seg")
+        block, warps = (int(x) for x in config.removeprefix("seg").split("x"))
+        if one_read:
+            run = functools.partial(logits_loss_and_grad_one_read, labels=labels, weights=weights,
+                                    total_weight=total, segment=block, num_warps=warps)
+        else:
+            run = functools.partial(logits_loss_and_grad_triton, labels=labels, weights=weights,
+                                    total_weight=total, block=block, num_warps=warps)
+        traffic = (2 if one_read else 3) * logits.numel() * logits.element_size()
         loss, correct, grad = run(logits.clone())
         if reference is None:
             reference = (loss, correct, grad)
         same = bool(torch.allclose(loss, reference[0], rtol=1e-5) and torch.equal(correct, reference[1])
-                    and torch.allclose(grad.float(), reference[2].float(), atol=1e-6))
+                    and torch.allclose(grad.float(), reference[2].float(), atol=1e-6, rtol=2**-7))
         buf = logits.clone()  # the kernel writes its gradient over the buffer: later calls see gradients
         ms = do_bench(functools.partial(run, buf), warmup=50, rep=300, return_mode="median")
-        out.append({"block": block, "num_warps": warps, "ms": ms, "gb_s": traffic / ms / 1e6, "same": same})
-        print(f"| {block} x {warps} | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} |", flush=True)
+        kind = "one read" if one_read else "two-pass"
+        out.append({"kernel": kind, "block": block, "num_warps": warps, "ms": ms, "gb_s": traffic / ms / 1e6,
+                    "same": same})
+        print(f"| {kind} | {block} x {warps} | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} |", flush=True)
     return out
 
 

@@ -60,6 +60,7 @@ from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
+from dflash_cache.train.loss import LOSS_KERNELS  # noqa: E402
 from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
 from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state  # noqa: E402
 from dflash_cache.train.precision import Precision  # noqa: E402
@@ -196,7 +197,8 @@ def main() -> None:
                          "rows; the trainer's is 4096): fewer, larger products against more logits memory")
     ap.add_argument("--loss-kernels", default="",
                     help="also time the resident batches with these LM-head loss chunk kernels (comma-separated "
-                         "names from dflash_cache.train.loss.LOSS_KERNELS; the trainer's is triton)")
+                         "names from dflash_cache.train.loss.LOSS_KERNELS, or one-read: bench/one_read_loss.py; the "
+                         "trainer's is triton)")
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
                          "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
@@ -291,6 +293,10 @@ def main() -> None:
     default_cfg, default_kernel = trainer.cfg, trainer.loss_kernel
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
+    if "one-read" in kernel_runs.values():  # the experiment of bench/one_read_loss.py, by the name the trainer takes
+        from bench.one_read_loss import logits_loss_and_grad_one_read
+
+        LOSS_KERNELS["one-read"] = lambda: logits_loss_and_grad_one_read
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
     default_attention = trainer.model.flex_attention_fn
     model = trainer.model
