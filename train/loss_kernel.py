@@ -4,8 +4,10 @@
 two passes over each row of the [c, V] logits: the first keeps a running max, rescaled sum of
 exponentials and first argmax (one exp per element); the second writes (softmax - onehot) * weight
 / total over the logits themselves. The logits are read twice and written once: on an H200 this
-takes 10.2 ms for a step's 30,720 x 151,936 bf16 logits (in 4,096-row chunks), where inductor's
-kernel for the same function took 20.7 ms. Writing the gradient in place also drops the second [c, V] buffer.
+took 10.2 ms for a step's 30,720 x 151,936 bf16 logits (in 3,840-row chunks, 4,096 columns per
+iteration), where inductor's kernel for the same function took 20.7 ms. Writing the gradient in
+place also drops the second [c, V] buffer. A kernel that reads them once was slower
+(bench/one_read_loss.py).
 
 Rounding differs from the eager function by float32 ulps (the log-sum-exp is accumulated block by
 block), and the float32 -> bf16 rounding of the gradient is the GPU's round-to-nearest-even; the
@@ -21,7 +23,9 @@ import torch
 from dflash_cache.triton_support import check_triton_device, on_device_of, require_triton
 
 _WHO = "loss kernel"
-BLOCK_V = 4096  # columns per iteration: 16 float32 per thread at 8 warps
+# Columns per iteration, 32 float32 per thread at 8 warps. On an H200 (bench/lm_head.py, one 3,840-row
+# chunk) 8,192 took 1.068 and 1.076 ms on two days where 4,096 took 1.111 and 1.119.
+BLOCK_V = 8192
 tl = None  # triton.language, bound on first kernel build (the import is lazy)
 
 

@@ -26,7 +26,7 @@ _SCRIPT = textwrap.dedent(
         weights = torch.rand(rows, generator=g) + 0.1
         weights[1], labels[1] = 0.0, -100          # a row left out (weight 0, label -100)
         labels[2] = logits[2].float().argmax()      # a row whose argmax hits its label
-        # Ties: row 3's maximum twice in different column blocks, row 4's twice in one block.
+        # Ties: row 3's maximum twice in different column blocks (of BLOCK_V), row 4's twice in one block.
         logits[3, 7] = logits[3, vocab - 2] = 50.0
         logits[4, 5] = logits[4, 6] = 50.0
         labels[3], labels[4] = 7, 5
@@ -47,8 +47,8 @@ _SCRIPT = textwrap.dedent(
 
     results = {
         "one_block_f32": case(6, 50, torch.float32, 0),
-        "three_blocks_f32": case(6, 9000, torch.float32, 1),
-        "three_blocks_bf16": case(5, 9000, torch.bfloat16, 2),
+        "two_blocks_f32": case(6, 9000, torch.float32, 1),
+        "two_blocks_bf16": case(5, 9000, torch.bfloat16, 2),
         "no_grad": case(5, 300, torch.float32, 3, with_grad=False),
     }
     # Through the chunked loss: loss, correct and the hidden states' gradient.
@@ -76,7 +76,7 @@ def interpreted() -> dict:
     return run_interpreted(_SCRIPT)
 
 
-@pytest.mark.parametrize("name", ["one_block_f32", "three_blocks_f32"])
+@pytest.mark.parametrize("name", ["one_block_f32", "two_blocks_f32"])
 def test_float32_matches_torch(interpreted, name):
     r = interpreted[name]
     assert r["loss_err"] < 1e-5
@@ -87,7 +87,7 @@ def test_float32_matches_torch(interpreted, name):
 
 def test_bf16_matches_torch_to_its_rounding(interpreted):
     """The interpreter truncates float32 -> bf16 where torch rounds: one bf16 step of the largest entry."""
-    r = interpreted["three_blocks_bf16"]
+    r = interpreted["two_blocks_bf16"]
     assert r["loss_err"] < 1e-5
     assert r["correct"] and r["correct_first_tie"]
     assert r["in_place"] and r["zero_row"]
