@@ -13,8 +13,10 @@ optimiser steps for each source:
 
 One trainer steps through the sources in interleaved rounds (resident, then each cache), so drift
 in clocks or allocator state hits all of them alike. Each cache run first takes 2 untimed steps
-(its reader pool filling the prefetch window, reported) and is then timed in steady state.
-Prints tok/s (sequence tokens) per round, each cache's ratio to the resident run of the same
+(its reader pool filling the prefetch window, reported) and is then timed in steady state: every
+measurement runs one untimed lead-in step and times the next N on the device (`timed_steps`), so
+the pipeline fill after a synchronisation, which a training run pays once, is left out; the
+sync-to-sync rate with it is printed beside. Prints tok/s (sequence tokens) per round, each cache's ratio to the resident run of the same
 round, peak GPU memory and the profiler's stage breakdown. `--small` shrinks everything so the
 script can be checked on a CPU.
 """
@@ -164,15 +166,54 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(trainer: Trainer, batches, steps: int, device) -> tuple[float, int]:
+def run_steps(trainer: Trainer, batches, steps: int, device) -> None:
+    """`steps` untimed steps (compiles, a reader pool filling its prefetch window), then a sync."""
+    for batch in itertools.islice(batches, steps):
+        trainer.train_step(batch)
     sync(device)
-    t0, tokens = time.perf_counter(), 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    seconds: float  # the timed steps, in steady state
+    tokens: int
+    with_fill_seconds: float  # sync to sync, the lead-in step included
+    with_fill_tokens: int
+
+
+def timed_steps(trainer: Trainer, batches, steps: int, device) -> Timing:
+    """`steps` steps after one untimed lead-in step, with no synchronisation in between.
+
+    The host prepares each step (the batch's fetch and copy, the anchors, the launches) while the
+    device runs the one before. After a synchronisation the device instead waits for all of the
+    first step's preparation: a pipeline fill that a training run pays once, not every `steps`
+    steps, and a cache source's is longer than resident batches'. So the time is taken on the
+    device, between CUDA events on the training stream after the lead-in step and after the last
+    step: device idle time within the timed steps (a host that falls behind) still counts.
+    `with_fill_seconds` runs from a synchronisation before the lead-in step to one after the last,
+    as this script timed every step before 2026-12-02."""
+    batches = iter(batches)
+    sync(device)
+    t0 = time.perf_counter()
+    lead_in = next(batches)
+    trainer.train_step(lead_in)
+    trainer.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
+    cuda = device.type == "cuda"
+    start = torch.cuda.Event(enable_timing=True) if cuda else None
+    if cuda:
+        start.record()
+    t1, tokens = time.perf_counter(), 0
     for batch in itertools.islice(batches, steps):
         trainer.train_step(batch)
         trainer.profiler.add_tokens(batch.num_tokens)
         tokens += batch.num_tokens
+    end = torch.cuda.Event(enable_timing=True) if cuda else None
+    if cuda:
+        end.record()
     sync(device)
-    return time.perf_counter() - t0, tokens
+    t2 = time.perf_counter()
+    seconds = start.elapsed_time(end) / 1e3 if cuda else t2 - t1  # a CPU runs each step before returning
+    return Timing(seconds, tokens, t2 - t0, tokens + lead_in.num_tokens)
 
 
 def main() -> None:
@@ -266,12 +307,13 @@ def main() -> None:
         source.profiler = profiler
     first = sources[codecs[0]]
     t0 = time.perf_counter()
-    timed_steps(trainer, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
+    run_steps(trainer, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
     print(f"warm-up ({args.warmup} steps, compiles included): {time.perf_counter() - t0:.1f}s", flush=True)
     # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
-    resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps)]
-    flops = mean_step_flops(drafter_cfg, resident, num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
-    every_row_flops = mean_step_flops(drafter_cfg, resident, num_anchors=args.num_anchors,
+    # (one more than the timed steps: the lead-in of timed_steps)
+    resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps + 1)]
+    flops = mean_step_flops(drafter_cfg, resident[1:], num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
+    every_row_flops = mean_step_flops(drafter_cfg, resident[1:], num_anchors=args.num_anchors,
                                       max_anchors=trainer.max_anchors, fewer_rows=False)
     print(f"model FLOPs per step, mean of the timed batches: {flops.total / 1e12:.1f} T (linears "
           f"{flops.linears / 1e12:.1f}, attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}; "
@@ -288,7 +330,7 @@ def main() -> None:
     if compare:
         trainer.static_shape = None
         t0 = time.perf_counter()
-        timed_steps(trainer, iter(resident), min(3, len(resident)), device)
+        run_steps(trainer, iter(resident), 3, device)
         print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
     default_cfg, default_kernel = trainer.cfg, trainer.loss_kernel
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
@@ -331,53 +373,63 @@ def main() -> None:
                 if switched or name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs,
                                         **row_runs, **precision_runs} and rnd == 0:
                     # compiles: not timed
-                    timed_steps(trainer, iter(resident), min(2, len(resident)), device)
+                    run_steps(trainer, iter(resident), 2, device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
                 dropped = drop_page_cache()
                 batches = (b for _, b in sources[name].iterate(Position(0, 0)))
                 t0 = time.perf_counter()
-                timed_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+                run_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
                 startup = time.perf_counter() - t0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
-            sec, tok = timed_steps(trainer, batches, args.steps, device)
+            timing = timed_steps(trainer, batches, args.steps, device)
+            sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
             static = trainer.static_steps - static_before
-            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps, "peak_gib": peak, "peak_reserved_gib": reserved,
-                   "first_2_steps_s": startup,
+            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps,
+                   "tok_s_with_fill": timing.with_fill_tokens / timing.with_fill_seconds,
+                   "s_per_step_with_fill": timing.with_fill_seconds / (args.steps + 1),
+                   "peak_gib": peak, "peak_reserved_gib": reserved, "first_2_steps_s": startup,
                    "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report}
             results["runs"].setdefault(name, []).append(run)
-            print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s; first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB "
+            print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s ({run['tok_s_with_fill']:,.0f} with the pipeline "
+                  f"fill); first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB "
                   f"({reserved:.1f} reserved);"
                   f" page cache dropped: {dropped}; static-shape steps {static}", flush=True)
             print(report, flush=True)
     base = [r["tok_s"] for r in results["runs"]["resident"]]
     print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
     peak_flops = trainer.profiler.peak_flops
-    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | peak GPU GiB (reserved) |\n"
-          "|---|---:|---:|---:|---:|---:|")
+    print("tok/s and s/step in steady state (device time after a lead-in step); 'with fill': sync to sync, the "
+          "lead-in step and its pipeline fill included")
+    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | tok/s with fill | ratio with "
+          "fill | peak GPU GiB (reserved) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results["runs"].items():
         rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
         steps = " / ".join(f"{r['s_per_step']:.3f}" for r in runs)
         run_flops = every_row_flops if name in row_runs else flops  # each path's MFU counts its own work
         mfu = " / ".join(f"{run_flops.total / r['s_per_step'] / peak_flops:.1%}" if peak_flops else "-" for r in runs)
         ratios = " / ".join(f"{r['tok_s'] / b:.3f}" for r, b in zip(runs, base, strict=True))
-        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {max(r['peak_gib'] for r in runs):.1f} "
+        fill_rates = " / ".join(f"{r['tok_s_with_fill']:,.0f}" for r in runs)
+        fill_ratios = " / ".join(f"{r['tok_s_with_fill'] / b['tok_s_with_fill']:.3f}"
+                                 for r, b in zip(runs, results["runs"]["resident"], strict=True))
+        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {fill_rates} | {fill_ratios} | "
+              f"{max(r['peak_gib'] for r in runs):.1f} "
               f"({max(r['peak_reserved_gib'] for r in runs):.1f}) |")
     if args.trace:
         if set_precision(trainer, default_precision):
-            timed_steps(trainer, iter(resident), min(2, len(resident)), device)  # compiles: not traced
+            run_steps(trainer, iter(resident), 2, device)  # compiles: not traced
         if args.trace_source == "resident":
             traced = resident[:args.trace]
         else:
             drop_page_cache()
             batches = (b for _, b in sources[args.trace_source].iterate(Position(0, 0)))
-            timed_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+            run_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
             traced = batches
         results["trace"] = trace_steps(trainer, itertools.islice(traced, args.trace), device)
         results["trace"]["source"] = args.trace_source
@@ -429,27 +481,29 @@ def trace_steps(trainer: Trainer, batches, device) -> dict:
         print(f"| {r['shapes']} | {r['calls_per_step']:g} | {r['ms_per_step']:.1f} | {r['tflops']:.0f} |")
     print({k: v for k, v in out.items() if k not in ("kernels", "host_ops", "kernel_names", "matmuls",
                                                       "largest_idle_gaps")}, flush=True)
-    print("| device idle ms | after | before |\n|---:|---|---|")
+    print("| device idle ms | at ms | after | before |\n|---:|---:|---|---|")
     for g in gaps:
-        print(f"| {g['ms']:.2f} | {g['after'][:70]} | {g['before'][:70]} |")
+        print(f"| {g['ms']:.2f} | {g['at_ms']:.1f} | {g['after'][:70]} | {g['before'][:70]} |")
     return out
 
 
 def device_gaps(kernels: list, top: int = 12) -> tuple[float, list[dict]]:
     """Microseconds no kernel or copy ran on the device (any stream) between the first and the last,
-    and the `top` longest such gaps with the work on either side: what the device waited for.
+    and the `top` longest such gaps with the work on either side and their start from the first
+    kernel (`at_ms`): what the device waited for, and whether in the first step's pipeline fill.
     The compiled graphs' own "## Call" ranges span their kernels and are left out."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels if not e.name.startswith("## "))
     if not spans:
         return 0.0, []
-    gaps, (_, end, last) = [], spans[0]
+    gaps, (first, end, last) = [], spans[0]
     for start, stop, name in spans[1:]:
         if start > end:
-            gaps.append((start - end, last, name))
+            gaps.append((start - end, end - first, last, name))
         if stop > end:
             end, last = stop, name
     gaps.sort(key=lambda g: -g[0])
-    return sum(g[0] for g in gaps), [{"ms": us / 1e3, "after": a, "before": b} for us, a, b in gaps[:top]]
+    return sum(g[0] for g in gaps), [{"ms": us / 1e3, "at_ms": at / 1e3, "after": a, "before": b}
+                                     for us, at, a, b in gaps[:top]]
 
 
 def kernel_times(prof, steps: int, top: int = 60) -> list[dict]:
