@@ -181,7 +181,7 @@ class Timing:
     with_fill_tokens: int
 
 
-def timed_steps(trainer: Trainer, batches, steps: int, device) -> Timing:
+def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int = 0) -> Timing:
     """`steps` steps after one untimed lead-in step, with no synchronisation in between.
 
     The host prepares each step (the batch's fetch and copy, the anchors, the launches) while the
@@ -191,7 +191,8 @@ def timed_steps(trainer: Trainer, batches, steps: int, device) -> Timing:
     device, between CUDA events on the training stream after the lead-in step and after the last
     step: device idle time within the timed steps (a host that falls behind) still counts.
     `with_fill_seconds` runs from a synchronisation before the lead-in step to one after the last,
-    as this script timed every step before 2026-12-02."""
+    as this script timed every step before 2026-12-02. `sync_every` K > 0 waits for the device
+    after every K-th timed step, as `dflash-cache train` did at each log step before 2026-12-02."""
     batches = iter(batches)
     sync(device)
     t0 = time.perf_counter()
@@ -203,10 +204,12 @@ def timed_steps(trainer: Trainer, batches, steps: int, device) -> Timing:
     if cuda:
         start.record()
     t1, tokens = time.perf_counter(), 0
-    for batch in itertools.islice(batches, steps):
+    for i, batch in enumerate(itertools.islice(batches, steps), start=1):
         trainer.train_step(batch)
         trainer.profiler.add_tokens(batch.num_tokens)
         tokens += batch.num_tokens
+        if sync_every and i % sync_every == 0 and i < steps:
+            sync(device)
     end = torch.cuda.Event(enable_timing=True) if cuda else None
     if cuda:
         end.record()
@@ -252,6 +255,10 @@ def main() -> None:
                     help="also time the resident batches with the drafter on every row (the trainer runs the "
                          "first layer's projections on the distinct block rows and the last layer's output "
                          "projection and MLP on the scored rows; the MFU column counts that work)")
+    ap.add_argument("--compare-sync-every", type=int, default=0, metavar="K",
+                    help="also time resident batches and the first cache with a wait for the device after "
+                         "every K-th step (what `train` did at each log step, every 10 by default, before "
+                         "2026-12-02)")
     ap.add_argument("--compare-fp32-weights", action="store_true",
                     help="also time the resident batches with float32 linear weights under autocast and torch's "
                          "fused AdamW (the trainer holds them in bf16 with float32 masters in TritonAdamW on a GPU)")
@@ -346,6 +353,8 @@ def main() -> None:
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
     row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
+    k = args.compare_sync_every
+    sync_runs = {f"{src}-sync-every-{k}": src for src in ("resident", codecs[0])} if k else {}
     precision_runs = {"resident-fp32-weights": Precision(autocast=True, master_weights=False)} \
         if args.compare_fp32_weights else {}
     default_precision = trainer.precision
@@ -357,7 +366,8 @@ def main() -> None:
         model._layer_runners, model._edge_runners = runners["default"]
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs, *precision_runs]:
+                     *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs, *sync_runs,
+                     *precision_runs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
@@ -369,7 +379,8 @@ def main() -> None:
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
             static_before = trainer.static_steps
-            if name.startswith("resident"):
+            source = sync_runs.get(name, name)
+            if source.startswith("resident"):
                 if switched or name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs,
                                         **row_runs, **precision_runs} and rnd == 0:
                     # compiles: not timed
@@ -378,14 +389,14 @@ def main() -> None:
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
                 dropped = drop_page_cache()
-                batches = (b for _, b in sources[name].iterate(Position(0, 0)))
+                batches = (b for _, b in sources[source].iterate(Position(0, 0)))
                 t0 = time.perf_counter()
                 run_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
                 startup = time.perf_counter() - t0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
-            timing = timed_steps(trainer, batches, args.steps, device)
+            timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0)
             sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
