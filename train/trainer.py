@@ -46,9 +46,10 @@ from dflash_cache.train.export import export_drafter
 from dflash_cache.train.flops import device_peak_flops, step_flops
 from dflash_cache.train.interrupt import DeferredInterrupt, TrainingInterrupted
 from dflash_cache.train.live_source import LiveSource
-from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy, tau_hat
+from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy
 from dflash_cache.train.masks import build_masks, context_doc_pos
 from dflash_cache.train.memory import fit_max_anchors
+from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.optim import clipped_step, drafter_optimizer, warmup_cosine
 from dflash_cache.train.precision import Precision, fp32_allreduce_hook
 from dflash_cache.train.run_config import TrainConfig
@@ -133,7 +134,7 @@ class Trainer:
             self.model.compile_layers()
         self.profiler.peak_flops = device_peak_flops(device)
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
-        self._window_start = time.perf_counter()  # the last host sync a logged rate is measured from
+        self._metrics: MetricsLog | None = None  # fit's; save() writes its queued row first
         self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
@@ -162,7 +163,9 @@ class Trainer:
         return json.loads(json.dumps(ident))
 
     def save(self) -> Path | None:
-        """Checkpoint (all ranks call it; rank 0 writes)."""
+        """Checkpoint (all ranks call it; rank 0 writes), with every metrics row up to this step written."""
+        if self._metrics is not None:
+            self._metrics.write()
         rng = self._rng_state()
         path = None
         if self.rank == 0:
@@ -345,12 +348,14 @@ class Trainer:
             truncate_metrics(metrics_path, self.step)
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rank == 0))
-        last: dict[str, float] = {}
+        metrics = MetricsLog(metrics_path, self.device, slots=cfg.block_size - 1, rank=self.rank, world=self.world)
+        self._metrics = metrics
         window: list[dict[str, torch.Tensor]] = []
         # With several ranks, a rank compiling mid-run holds all others at the next all-reduce; one
         # process compiles the dynamic graph when a batch first needs it (some runs never do).
         warm_up = self._explaining_compile_failures(self.warm_up) if self.compiled and self.world > 1 else None
-        self._window_start, tok_window = time.perf_counter(), 0
+        metrics.start()
+        tok_window = 0
         t_start, first_step = time.perf_counter(), True
         try:
             with DeferredInterrupt() as interrupt:
@@ -370,10 +375,14 @@ class Trainer:
                     self.profiler.add_tokens(batch.num_tokens)
                     self.profiler.maybe_report()
                     bar.update(1)
-                    stop = interrupt.requested if self.world == 1 else False
+                    shown = metrics.last
+                    # The last log step's row, now that the device has finished it; with several
+                    # ranks its stop flag is the only one (every rank writes it at the same step).
+                    stop = metrics.write() or (interrupt.requested and self.world == 1)
+                    if metrics.last is not shown:
+                        bar.set_postfix(loss=f"{metrics.last['loss']:.3f}", tau=f"{metrics.last['tau_hat']:.2f}")
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        last, stop = self._log(window, tok_window, metrics_path, interrupt.requested)
-                        bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau_hat']:.2f}")
+                        metrics.queue(window, tok_window, interrupt.requested, self._row_fields())
                         window, tok_window = [], 0
                     if stop:
                         path = self.save()
@@ -390,8 +399,10 @@ class Trainer:
         finally:
             bar.close()
             self.source.close()
+            metrics.write_finishing()  # the queued step did complete, however the run ends
         if window:
-            last, _ = self._log(window, tok_window, metrics_path, False)
+            metrics.queue(window, tok_window, False, self._row_fields())
+        metrics.write()
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         if self.static_shape is not None:
             log.info("%d of this run's steps ran the static-shape graph (%d anchors, context padded to %d); "
@@ -400,7 +411,7 @@ class Trainer:
         self.save()
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
-        return last
+        return metrics.last
 
     def _log_startup(self, t_start: float, t_batch: float, warm_up: float | None) -> None:
         """Where start-up went: it can take minutes at scale (loading, the first read, compiling)."""
@@ -412,34 +423,10 @@ class Trainer:
         log.info("start-up: %s%sfirst batch %.1fs, first step %.1fs (compilation included)", build, warm,
                  t_batch - t_start, now - t_batch)
 
-    def _log(self, window: list[dict[str, torch.Tensor]], tokens: int, path: Path,
-             stop_requested: bool) -> tuple[dict[str, float], bool]:
-        """Average the window's metrics (over ranks too: one collective per log step) and record them.
-
-        Tokens/s is measured between two host syncs (the `.cpu()` below waits for every step queued
-        before it), so it is the device's real rate, not how fast the host queued work. The stop flag
-        rides in the same all-reduce: every rank stops at the same step if any was signalled.
-        """
-        stats = torch.cat([torch.stack([w["loss"] for w in window]).mean()[None],
-                           torch.stack([w["acc"] for w in window]).mean(0),
-                           torch.tensor([float(stop_requested)], device=window[0]["loss"].device)])
-        if self.world > 1:
-            torch.distributed.all_reduce(stats)
-            stats[:-1] /= self.world
-            tokens *= self.world
-        stats = stats.cpu()
-        now = time.perf_counter()
-        seconds, self._window_start = now - self._window_start, now
-        loss, acc, stop = float(stats[0]), stats[1:-1], bool(stats[-1] > 0)  # acc: slots 1..B-1
-        row = {"step": self.step, "epoch": self.position.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-               "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
-               "tokens_per_s": tokens / max(seconds, 1e-9), "tokens_seen": self.tokens_seen}
-        if self.rank == 0:
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", self.step, loss,
-                     row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
-        return row, stop
+    def _row_fields(self) -> dict[str, Any]:
+        """A metrics row's fields the host knows at the log step (MetricsLog adds the device's)."""
+        return {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
+                "tokens_seen": self.tokens_seen}
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -1,0 +1,124 @@
+"""A training run's logged metrics (metrics.jsonl and the log line), taken without waiting for the device.
+
+Reading a loss on the host waits for every step queued before it. The device then drains its
+queue and idles while the host prepares the next step: on an H200 about 0.1 s for a step fed by
+the cache (its batch fetch, copy and anchors; bench/train.py's "with fill" rates), 2% of a
+10-step logging interval. So a log step only queues its averages (all-reduced over ranks too)
+and their copy to the host; the row is written at the next step, by when the device has long
+finished them. Rates are taken between device events, so they are the device's, not how fast the
+host queued work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_cache.train.loss import tau_hat
+
+log = logging.getLogger(__name__)
+
+Mark = torch.cuda.Event | float  # a point in the run: a device event, or host time on a CPU
+
+
+@dataclass
+class _Queued:
+    stats: torch.Tensor  # [loss, slot accuracies..., stop flag], on the host once `ready` has completed
+    ready: torch.cuda.Event | None
+    since: Mark
+    until: Mark
+    row: dict[str, Any]  # what the host knew at the log step
+    tokens: int
+
+
+@dataclass
+class MetricsLog:
+    """Queue a log step's metrics (`queue`), write them a step later (`write`). Every rank calls both
+    at the same steps: `write` returns whether any rank asked to stop, so that all stop together."""
+
+    path: Path
+    device: torch.device
+    slots: int  # accuracies per row: the block's slots 1..B-1
+    rank: int = 0
+    world: int = 1
+    clock: Callable[[], float] = time.perf_counter  # host time: a CPU's marks
+    last: dict[str, Any] = field(default_factory=dict)  # the newest written row
+    _queued: _Queued | None = None
+    _since: Mark | None = None
+    _host: torch.Tensor | None = None  # pinned, reused: a fresh pinned buffer may wait for the device
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            self._host = torch.empty(self.slots + 2, dtype=torch.float32, pin_memory=True)
+
+    def start(self) -> None:
+        """The first window's start (later windows start where the one before ended)."""
+        self._since = self._mark()
+
+    def queue(self, window: list[dict[str, torch.Tensor]], tokens: int, stop_requested: bool,
+              row: dict[str, Any]) -> None:
+        """Average the window's step metrics ("loss", "acc" [B - 1]) and start their copy to the host.
+        `row` holds the host-side fields (step, epoch, lr, tokens_seen). A row still queued is
+        written first."""
+        self.write()
+        dev = window[0]["loss"].device
+        # The flag by a fill, not a tensor from a list: that copies from pageable memory, which waits
+        # for the device.
+        stats = torch.cat([torch.stack([w["loss"] for w in window]).mean()[None],
+                           torch.stack([w["acc"] for w in window]).mean(0).float(),
+                           torch.full((1,), float(stop_requested), device=dev)])
+        if self.world > 1:
+            torch.distributed.all_reduce(stats)
+            stats[:-1] /= self.world
+            tokens *= self.world
+        until, ready = self._mark(), None
+        if self._host is not None:
+            stats = self._host.copy_(stats, non_blocking=True)  # the row before is written: it is free
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queued = _Queued(stats, ready, self._since, until, row, tokens)
+        self._since = until
+
+    def write(self) -> bool:
+        """Write the queued row, if any (waiting for its copy, which by the next step has long
+        completed); True when some rank asked to stop at its log step."""
+        q, self._queued = self._queued, None
+        if q is None:
+            return False
+        if q.ready is not None:
+            q.ready.synchronize()
+        seconds = q.since.elapsed_time(q.until) / 1e3 if isinstance(q.until, torch.cuda.Event) else q.until - q.since
+        loss, acc, stop = float(q.stats[0]), q.stats[1:-1], bool(q.stats[-1] > 0)  # acc: slots 1..B-1
+        row = {"step": q.row["step"], "epoch": q.row["epoch"], "loss": loss, "lr": q.row["lr"],
+               "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
+               "tokens_per_s": q.tokens / max(seconds, 1e-9), "tokens_seen": q.row["tokens_seen"]}
+        if self.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", row["step"], loss,
+                     row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
+        self.last = row
+        return stop
+
+    def write_finishing(self) -> None:
+        """`write` for a run that is ending, also by an error: a device that cannot copy the row
+        back any more is logged, not raised, so that it does not hide what stopped the run."""
+        step = self._queued.row["step"] if self._queued is not None else None
+        try:
+            self.write()
+        except Exception as e:
+            log.warning("the metrics of step %s could not be written: %s", step, e)
+
+    def _mark(self) -> Mark:
+        if self.device.type != "cuda":
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
