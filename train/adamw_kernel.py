@@ -33,6 +33,11 @@ _WHO = "AdamW kernel"
 # step took 7.19 ms with 1,024 elements, 7.32 with 2,048, 7.48 with 4,096 (4.08 to 3.92 TB/s over
 # its 28 bytes a parameter): the smaller programs leave less of a tail at each parameter's end.
 BLOCK = 1024
+# Under the interpreter programs run one after another, each as numpy over its block: fewer, larger
+# programs are faster (the fixtures of its CPU tests and the precision tests: 16 s against 25-30), and the
+# arithmetic, element by element, is the same at any block size. The tests' larger tensors still span
+# several programs and a partial last one.
+INTERPRETER_BLOCK = 16384
 NUM_WARPS = 4
 tl = None  # triton.language, bound on first kernel build (the import is lazy)
 _round_to_bf16 = None  # the kernel's helper, bound there too
@@ -89,11 +94,12 @@ class TritonAdamW(torch.optim.AdamW):
     `lower_precision` made them so; gradients have the weight's dtype. A `grad_scale` attribute set
     before `step` divides every gradient as it is read (what `clipped_step` sets for the clip), as
     torch's fused AdamW divides by it. `block` and `num_warps` are the kernel's launch settings
-    (elements per program, warps per program: what bench/optimizer.py compares)."""
+    (elements per program, warps per program: what bench/optimizer.py compares); `block` None is
+    BLOCK on a GPU and INTERPRETER_BLOCK under the interpreter."""
 
     _step_supports_amp_scaling = True  # step() honours grad_scale (clipped_step asks this)
 
-    def __init__(self, params, *, block: int = BLOCK, num_warps: int = NUM_WARPS, **kwargs) -> None:
+    def __init__(self, params, *, block: int | None = None, num_warps: int = NUM_WARPS, **kwargs) -> None:
         if kwargs.get("amsgrad") or kwargs.get("maximize"):
             raise ValueError("TritonAdamW implements plain AdamW (no amsgrad, no maximize)")
         super().__init__(params, **{**kwargs, "foreach": False, "fused": False})
@@ -144,6 +150,7 @@ class TritonAdamW(torch.optim.AdamW):
         loss = closure() if closure is not None else None
         interpret = require_triton(_WHO, "use torch.optim.AdamW")
         divisor = getattr(self, "grad_scale", None)
+        block = self.block or (INTERPRETER_BLOCK if interpret else BLOCK)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -165,12 +172,12 @@ class TritonAdamW(torch.optim.AdamW):
                 state["step"] += 1
                 t = float(state["step"])
                 with on_device_of(p):
-                    _build_kernel(interpret)[(triton_cdiv(p.numel(), self.block),)](
+                    _build_kernel(interpret)[(triton_cdiv(p.numel(), block),)](
                         p, p.grad, state["exp_avg"], state["exp_avg_sq"], p if master is None else master,
                         divisor if divisor is not None else p,
                         p.numel(), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["lr"] / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
-                        HAS_DIVISOR=divisor is not None, HAS_MASTER=master is not None, BLOCK=self.block,
+                        HAS_DIVISOR=divisor is not None, HAS_MASTER=master is not None, BLOCK=block,
                         num_warps=self.num_warps)
         return loss
 
