@@ -238,3 +238,31 @@ def test_gpu_trainer_trains_bf16_weights_as_autocast_trains_float32_ones(demo_ca
                 assert torch.equal(exported[name].cuda(), master.to(torch.bfloat16))
     assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-5)  # the graphs fuse their reductions differently
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-2, atol=0.0)
+
+
+@needs_cuda
+def test_metrics_are_queued_without_waiting_for_the_device(tmp_path):
+    """Queued behind ~1 s of device work, MetricsLog.queue returns at once (a stop flag made by
+    torch.tensor from a list waited the whole second here); the row's rate covers that work."""
+    import time
+
+    from dflash_cache.train.metrics_log import MetricsLog
+
+    dev, path = torch.device("cuda"), tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, dev, slots=3)
+    log.start()
+    window = [{"loss": torch.tensor(1.0, device=dev), "acc": torch.ones(3, device=dev)}]
+    fields = {"epoch": 0, "lr": 1e-3, "tokens_seen": 0}
+    # A first row loads the kernels: with CUDA's lazy loading a kernel's first launch may wait for the
+    # device, once per process.
+    log.queue(window, tokens=1000, stop_requested=False, row={"step": 1, **fields})
+    log.write()
+    torch.cuda._sleep(2_000_000_000)  # clock cycles: ~1 s at an H200's 1.98 GHz
+    t0 = time.perf_counter()
+    log.queue(window, tokens=1000, stop_requested=False, row={"step": 2, **fields})
+    queued = time.perf_counter() - t0
+    assert queued < 0.2, f"queue() waited {queued:.2f} s for the device"
+    assert len(path.read_text().splitlines()) == 1, "the second row is not written yet"
+    log.write()
+    row = json.loads(path.read_text().splitlines()[1])
+    assert row["loss"] == 1.0 and row["tokens_per_s"] < 1000 / 0.5, row
