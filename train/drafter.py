@@ -220,8 +220,10 @@ def _fuse_context(fc: nn.Linear, norm: nn.Module, features: torch.Tensor) -> tor
     return norm(fc(features.to(fc.weight.dtype)))
 
 
-def _final_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return norm(x)
+def _final_norm(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The final norm, its output rounded to `dtype` (None: the residual's) in the same kernel."""
+    out = norm(x)
+    return out if dtype is None else out.to(dtype)
 
 
 class DFlashDrafter(nn.Module):
@@ -268,7 +270,7 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, masks: dict, static: bool = False, *, distinct_rows: bool = False,
-                scored_only: bool = False) -> torch.Tensor:
+                scored_only: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
         masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
         final norm. `static`: the shapes are the run's static shape (compiled layers only).
@@ -276,6 +278,8 @@ class DFlashDrafter(nn.Module):
         What training asks for, the same computation on fewer rows: `distinct_rows`, block_embeds
         is [A + 1, H], each block's anchor embedding then the mask token's (`expand_blocks`);
         `scored_only`, only slots 1..B-1 come out, [A * (B - 1), H] (`scored_rows`).
+        `out_dtype`: the dtype the states come out in (the LM head's, in training), rounded by the
+        final norm's kernel rather than by a pass of its own; the gradient comes back in it too.
         """
         dtype = self.residual_dtype
         fuse_context, final_norm = self._edge_runners
@@ -291,7 +295,7 @@ class DFlashDrafter(nn.Module):
                 raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
             x = run(layer, x, context, rope, mask, self.flex_attention_fn, distinct_rows and i == 0,
                     scored_only and i == last)
-        return final_norm(self.norm, x)
+        return final_norm(self.norm, x, out_dtype)
 
 
 def init_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:

@@ -36,7 +36,7 @@ QUERY_LOW = (6, 4, 0)       # tensors of width (H, I, KV): q/o/MLP inputs, q, at
 QUERY_FP32 = (10, 0, 0)     # residual, norms' inputs and outputs, q norm and rope
 CONTEXT_LOW = (1, 0, 4)     # the context's k/v projection input, k, v, k rope
 CONTEXT_FP32 = (1, 0, 6)    # the fused context row, k norm and rope
-LOSS_FP32_PER_QUERY = 4     # x H: final norm and the loss chunk's hidden copy
+LOSS_FP32_PER_QUERY = 4     # x H: final norm output and its gradient (the LM head's dtype: bf16 on a GPU, counted as fp32)
 FEATURE_BYTES = 2           # the batch's bf16 features, N x H per context token
 
 

@@ -287,13 +287,14 @@ class Trainer:
         other slot, and out only the scored ones (DFlashDrafter.forward); without, on every row
         (what bench/train.py compares against)."""
         positions = blocks.position_ids.reshape(-1)
+        out_dtype = self.head.lm_head_weight.dtype  # what the loss multiplies them in
         if self.fewer_rows:
             distinct = torch.cat((blocks.input_ids[:, 0],
                                   blocks.input_ids.new_full((1,), self.drafter_cfg.mask_token_id)))
             return net(features, ctx_positions, self.head.embed(distinct), positions, masks, static=static,
-                       distinct_rows=True, scored_only=True)
+                       distinct_rows=True, scored_only=True, out_dtype=out_dtype)
         hidden = net(features, ctx_positions, self.head.embed(blocks.input_ids.reshape(-1)), positions, masks,
-                     static=static)
+                     static=static, out_dtype=out_dtype)
         return scored_rows(hidden, self.cfg.block_size)
 
     def warm_up(self) -> float:

@@ -135,6 +135,27 @@ def test_output_shape_and_context_injection(cfg, drafter):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_out_dtype_rounds_the_final_states_and_takes_their_gradient_back(cfg):
+    """Training asks for the LM head's dtype: the final norm's output rounded, and a gradient in that
+    dtype reaches every parameter as the float32 output's would (here: the rounded gradient)."""
+    ctx_pos, anchor, block_pos = anchors()
+    features, embeds = inputs(cfg)
+    masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
+    g = torch.Generator().manual_seed(3)
+    upstream = torch.randn(Q, cfg.hidden_size, generator=g).bfloat16()
+    runs = []
+    for out_dtype in (None, torch.bfloat16):
+        drafter = init_drafter(cfg, seed=0)
+        out = drafter(features, ctx_pos, embeds, block_pos, masks, out_dtype=out_dtype)
+        out.backward(upstream.to(out.dtype))
+        runs.append((out.detach(), {n: p.grad for n, p in drafter.named_parameters()}))
+    (ref, ref_grads), (got, got_grads) = runs
+    assert ref.dtype == torch.float32 and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ref.bfloat16(), rtol=0, atol=0)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_hidden_keys_are_invisible(cfg, drafter):
     ctx_pos, anchor, block_pos = anchors()
     features, embeds = inputs(cfg)

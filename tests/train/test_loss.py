@@ -87,6 +87,24 @@ def test_bf16_hidden_gets_bf16_grad():
     torch.testing.assert_close(h.grad.double(), ref_grad, rtol=2e-2, atol=1e-3)
 
 
+def test_bf16_hidden_is_the_float32_hidden_of_its_values():
+    """States handed over in the head's dtype (what training does) give the loss and correct flags of
+    float32 states of the same values, and the gradient those get, which is a bf16 product's."""
+    hidden, head, labels, weights = make()
+    head = head.bfloat16()
+    wide = hidden.bfloat16().float().requires_grad_(True)
+    narrow = hidden.bfloat16().requires_grad_(True)
+    (loss_w, correct_w), (loss_n, correct_n) = (chunked_weighted_ce(h, head, labels, weights, chunk_size=8)
+                                                for h in (wide, narrow))
+    loss_w.backward()
+    loss_n.backward()
+    torch.testing.assert_close(loss_n, loss_w, rtol=0, atol=0)
+    assert torch.equal(correct_n, correct_w)
+    assert narrow.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(narrow.grad, wide.grad.bfloat16(), rtol=0, atol=0)
+    assert torch.equal(narrow.grad.float(), wide.grad)  # the float32 path only widened a bf16 product
+
+
 def test_trainable_head_rejected():
     hidden, head, labels, weights = make()
     with pytest.raises(ValueError):
