@@ -517,12 +517,12 @@ def device_gaps(kernels: list, top: int = 12) -> tuple[float, list[dict]]:
                                      for us, at, a, b in gaps[:top]]
 
 
-def kernel_times(prof, steps: int, top: int = 60) -> list[dict]:
-    """The `top` device kernels by device time per step, with their whole names (the table cuts them):
-    an inductor kernel's name lists the operations it fused."""
+def kernel_times(prof, steps: int) -> list[dict]:
+    """Every device kernel by device time per step, with its whole name (the table cuts them): an
+    inductor kernel's name lists the operations it fused, and the small ones add up."""
     rows = [{"name": e.key, "calls_per_step": e.count / steps, "ms_per_step": e.self_device_time_total / 1e3 / steps}
             for e in prof.key_averages() if e.self_device_time_total > 0 and e.device_type.name == "CUDA"]
-    return sorted(rows, key=lambda r: -r["ms_per_step"])[:top]
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
 
 
 def matmul_rates(prof, steps: int) -> list[dict]:
