@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import start_logging_and_device, timed  # noqa: E402
+from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
 from bench.range_attention import KernelConfig, plan_ranges, range_attention  # noqa: E402
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
@@ -157,6 +158,7 @@ def main() -> None:
     print(f"{q.shape[2]:,} queries x {k.shape[2]:,} keys; mask sparsity {masks[''].sparsity():.1f}%; "
           f"{fwd_flops / 1e12:.2f} TFLOP forward over the admitted pairs", flush=True)
     print("| setting | forward ms | TFLOP/s | fwd+bwd ms | TFLOP/s |\n|---|---:|---:|---:|---:|")
+    clocks: list[str] = []  # printed after the table
     for name in args.settings.split(","):
         options = SETTINGS.get(name, {})
         if device.type == "cpu":
@@ -191,14 +193,18 @@ def main() -> None:
                                         kernel_options=options or None)
             grad_out = torch.randn_like(q)  # random, not the ones of .sum(): the kernel reads it like any gradient
         try:
-            f = timed(forward, device, args.reps)
-            fb = timed(lambda call=forward, g=grad_out: call().backward(g), device, args.reps) \
+            f_clocks, fb_clocks = ClockSampler(device), ClockSampler(device)
+            f = timed(forward, device, args.reps, during=f_clocks)
+            fb = timed(lambda call=forward, g=grad_out: call().backward(g), device, args.reps, during=fb_clocks) \
                 if device.type == "cuda" or name in RANGES else float("nan")
         except Exception as e:  # a setting the kernel cannot run (e.g. shared memory): report, go on
             print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
             continue
         print(f"| {name} | {1e3 * f:.2f} | {fwd_flops / f / 1e12:.0f} | {1e3 * fb:.2f} | "
               f"{3 * fwd_flops / fb / 1e12:.0f} |", flush=True)
+        clocks.append(f"{name}: forward {describe(f_clocks.summary())}; forward+backward "
+                      f"{describe(fb_clocks.summary())}")
+    print("\n".join(clocks))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and the manifest of a synthetic cache."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -50,15 +51,17 @@ def commit_synthetic_manifest(root: Path, *, codec: str, layer_ids: tuple[int, .
     write_index(root, read_records(root))
 
 
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Mean seconds per call after two warm-up calls (compiles)."""
+def timed(fn, device: torch.device, reps: int, during: contextlib.AbstractContextManager | None = None) -> float:
+    """Mean seconds per call after two warm-up calls (compiles); `during` (e.g. a
+    `gpu_clocks.ClockSampler`) is entered for the timed calls only."""
     for _ in range(2):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / reps
+    with during or contextlib.nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import start_logging_and_device, timed  # noqa: E402
+from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
 
 
 def pair_steps(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor) -> dict:
@@ -60,15 +61,17 @@ def main() -> None:
     pairs = {"gate + up": (rows, inter), "key + value": (rows + ctx, kv)}
     results = []
     print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}\n"
-          "| pair | rows x hidden -> 2 x width | form | ms (fwd + bwd products) |\n|---|---|---|---:|")
+          "| pair | rows x hidden -> 2 x width | form | ms (fwd + bwd products) | clocks |\n|---|---|---|---:|---|")
     for pair, (m, n) in pairs.items():
         x = torch.randn(m, hidden, device=device, dtype=dtype)
         w1, w2 = (torch.randn(n, hidden, device=device, dtype=dtype) * 0.02 for _ in range(2))
         g1, g2 = (torch.randn(m, n, device=device, dtype=dtype) * 1e-3 for _ in range(2))
         for form, fn in pair_steps(x, w1, w2, g1, g2).items():
-            ms = timed(fn, device, args.reps) * 1e3
-            results.append({"pair": pair, "rows": m, "width": n, "form": form, "ms": ms})
-            print(f"| {pair} | {m} x {hidden} -> 2 x {n} | {form} | {ms:.2f} |", flush=True)
+            clocks = ClockSampler(device)
+            ms = timed(fn, device, args.reps, during=clocks) * 1e3
+            results.append({"pair": pair, "rows": m, "width": n, "form": form, "ms": ms, "clocks": clocks.summary()})
+            print(f"| {pair} | {m} x {hidden} -> 2 x {n} | {form} | {ms:.2f} | {describe(clocks.summary())} |",
+                  flush=True)
         del x, w1, w2, g1, g2
     if args.json:
         Path(args.json).write_text(json.dumps({"device": str(device), "results": results}, indent=1))

@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     commit_synthetic_manifest,
     start_logging_and_device,
 )
+from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.store.batch import HostBatch  # noqa: E402
 from dflash_cache.store.codecs import get_codec  # noqa: E402
@@ -396,7 +397,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
-            timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0)
+            with ClockSampler(device) as clocks:
+                timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0)
             sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
@@ -406,12 +408,13 @@ def main() -> None:
                    "tok_s_with_fill": timing.with_fill_tokens / timing.with_fill_seconds,
                    "s_per_step_with_fill": timing.with_fill_seconds / (args.steps + 1),
                    "peak_gib": peak, "peak_reserved_gib": reserved, "first_2_steps_s": startup,
-                   "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report}
+                   "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report,
+                   "clocks": clocks.summary()}
             results["runs"].setdefault(name, []).append(run)
             print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s ({run['tok_s_with_fill']:,.0f} with the pipeline "
                   f"fill); first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB "
                   f"({reserved:.1f} reserved);"
-                  f" page cache dropped: {dropped}; static-shape steps {static}", flush=True)
+                  f" page cache dropped: {dropped}; static-shape steps {static}; {describe(run['clocks'])}", flush=True)
             print(report, flush=True)
     base = [r["tok_s"] for r in results["runs"]["resident"]]
     print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
