@@ -13,8 +13,8 @@ and compare tok/s.
 
 speculators' package imports its data-generation client (openai, datasets, hs_connectors) on
 import; the model code uses none of them, so the script lets such a module import as an empty
-stand-in when it is not installed. `--small` checks the script on a CPU (forward only: FlexAttention
-has no backward there).
+stand-in when it is not installed: `pip install --no-deps speculators==0.9.0 pydantic psutil` is
+enough. `--small` checks the script on a CPU (forward only: FlexAttention has no backward there).
 """
 
 from __future__ import annotations
