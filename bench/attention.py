@@ -51,6 +51,7 @@ SETTINGS: dict[str, dict] = {
     "bwd 64/128 tma": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                        "bwd_num_warps": 8, "bwd_num_stages": 3, "USE_TMA": True},
     "tma": {"USE_TMA": True},
+    "prescale": {"PRESCALE_QK": True},  # q scaled once as it is loaded, not every score
     "flash": {"BACKEND": "FLASH"},  # flash-attn-4's CuTe kernels; needs the flash-attn-4 package
 }
 # bench/range_attention.py's Triton kernels (two key ranges per block; dQ by atomic adds: five products

@@ -80,7 +80,13 @@ def flash_flex_attention(q, k, v, **kwargs):
     return flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"}, **kwargs)
 
 
-ATTENTION_FNS = {"flash": flash_flex_attention}
+def prescaled_flex_attention(q, k, v, **kwargs):
+    """FlexAttention whose kernels scale q by the softmax scale (and the change of base to 2) once as
+    they load it, instead of every score: fewer multiplies, other roundings."""
+    return flex_attention(q, k, v, kernel_options={"PRESCALE_QK": True}, **kwargs)
+
+
+ATTENTION_FNS = {"flash": flash_flex_attention, "prescale": prescaled_flex_attention}
 
 
 def shapes(small: bool) -> dict:
@@ -246,7 +252,8 @@ def main() -> None:
                          "trainer's is triton)")
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
-                         "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package)")
+                         "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package), "
+                         "'prescale' (PRESCALE_QK)")
     ap.add_argument("--compile-options", default="",
                     help="also time the resident batches through layers compiled with these inductor settings "
                          "(comma-separated NAME=VALUE, VALUE a Python literal, e.g. prologue_fusion=False)")
