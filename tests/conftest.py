@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+REPO = Path(__file__).resolve().parents[1]
 SMALL_PLAN = PlanConfig(token_budget=1024, max_rows=8, unit_rows=16, bucket_bounds=(0, 32, 64))
 
 
@@ -57,6 +59,16 @@ def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
                 progress=False)
     base.update(overrides)
     return ExtractConfig(**base)
+
+
+def torchrun_cli(*args: str, timeout: float = 600) -> None:
+    """`dflash-cache ARGS` under torchrun on two CPU ranks, from the repository root; asserts that it
+    succeeded. --standalone: the rendezvous binds a free port of its own, so runs that overlap (test
+    workers) can never meet on one, as ports derived from process ids could."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash_cache.cli", *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def wait_for_commits(proc: subprocess.Popen, out: Path, count: int, timeout: float = 120) -> None:

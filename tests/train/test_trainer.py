@@ -17,6 +17,7 @@ from dflash_cache.profiler import StageProfiler
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer, lr_factor
+from tests.conftest import torchrun_cli
 from tools.make_demo_drafter import demo_train_config
 
 
@@ -161,20 +162,12 @@ def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
 
 
 def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file as load
 
     out = tmp_path / "ddp"
-    port = 29700 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "dflash_cache.cli", "train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
-           "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024",
-           "--max-steps", "4", "--log-every", "2", "--device", "cpu", "--no-progress"]
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_cli("train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out), "--block-size", "8",
+                 "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024", "--max-steps", "4",
+                 "--log-every", "2", "--device", "cpu", "--no-progress", timeout=300)
     assert [r["step"] for r in _rows(out)] == [2, 4]
     rng = load(out / "checkpoints" / "step_0000004" / "rng.safetensors")
     assert {"anchors.rank0", "anchors.rank1"} <= set(rng)
