@@ -6,7 +6,8 @@ demo_out := "demo-out"
 setup:
     python3 -m pip install torch==2.13.0 -e '.[dev]'
 
-# The whole test suite (CPU only; Triton kernels run under the interpreter in subprocesses).
+# The whole test suite (CPU only; Triton kernels run under the interpreter in subprocesses; one worker
+# per core, as pyproject.toml's pytest options say: `just test -n 0` runs it in one process).
 test *args:
     python3 -m pytest tests {{args}}
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,11 +12,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.target import TargetSpec
 from dflash_cache.store.plan import PlanConfig
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Torch on one intra-op thread, here and in every process the tests start (OMP_NUM_THREADS is
+    inherited; set it to choose another count). The tiny models' ops last microseconds to
+    milliseconds, too short to gain from a second thread, while OpenMP threads spin waiting for work:
+    with anything else busy on a 2-core machine (the pipeline's own reader and writer threads, another
+    process or test worker) they run ten to twenty times slower than on one thread, which is as fast
+    when alone. Extraction ranks choose their own count (extract/launch.py)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+REPO = Path(__file__).resolve().parents[1]
 SMALL_PLAN = PlanConfig(token_budget=1024, max_rows=8, unit_rows=16, bucket_bounds=(0, 32, 64))
 
 
@@ -43,6 +59,16 @@ def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
                 progress=False)
     base.update(overrides)
     return ExtractConfig(**base)
+
+
+def torchrun_cli(*args: str, timeout: float = 600) -> None:
+    """`dflash-cache ARGS` under torchrun on two CPU ranks, from the repository root; asserts that it
+    succeeded. --standalone: the rendezvous binds a free port of its own, so runs that overlap (test
+    workers) can never meet on one, as ports derived from process ids could."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash_cache.cli", *args]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def wait_for_commits(proc: subprocess.Popen, out: Path, count: int, timeout: float = 120) -> None:

@@ -24,7 +24,6 @@ from dflash_cache.store.report import verify
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.trainer import Trainer
 from tests.conftest import extract_config
-from tests.train.conftest import one_torch_thread
 from tools.make_demo_drafter import demo_train_config
 
 VOCAB = 256
@@ -105,8 +104,7 @@ def test_extract_verify_train_and_eval(checkpoint, rows, tmp_path):
     _, path, model = checkpoint
     cache = tmp_path / "cache"
     spec = TargetSpec(model=str(path), dtype="float32", layers=LAYERS)
-    with one_torch_thread():
-        extract(extract_config(rows, cache, target=spec, codec="none"), "cpu", echo=lambda *_: None)
+    extract(extract_config(rows, cache, target=spec, codec="none"), "cpu", echo=lambda *_: None)
     reader = CacheReader(cache)
     assert reader.complete and verify(reader) == []
     identity = reader.manifest.target
@@ -116,14 +114,12 @@ def test_extract_verify_train_and_eval(checkpoint, rows, tmp_path):
         ids = table.column("input_ids")[sid].as_py()
         torch.testing.assert_close(reader.sample(sid).features.float(),
                                    _reference(model, ids).to(torch.bfloat16).float(), rtol=0.02, atol=0.02)
-    with one_torch_thread():
-        Trainer.build(demo_train_config(cache, tmp_path / "run", target=str(path), max_steps=2),
-                      device=torch.device("cpu")).fit()
+    Trainer.build(demo_train_config(cache, tmp_path / "run", target=str(path), max_steps=2),
+                  device=torch.device("cpu")).fit()
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
-    with one_torch_thread():
-        result = CliRunner().invoke(cli, ["eval", "--target", str(path), "--drafter", str(tmp_path / "run"),
-                                          "--data", str(rows), "--limit", "2", "--max-new-tokens", "12",
-                                          "--device", "cpu"])
+    result = CliRunner().invoke(cli, ["eval", "--target", str(path), "--drafter", str(tmp_path / "run"),
+                                      "--data", str(rows), "--limit", "2", "--max-new-tokens", "12",
+                                      "--device", "cpu"])
     assert result.exit_code == 0, result.output
     assert "lossless: output equals the target's greedy output" in result.output
 

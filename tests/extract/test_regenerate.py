@@ -20,7 +20,6 @@ from dflash_cache.extract.regenerate import RegenerateConfig, regenerate
 from dflash_cache.extract.tiny import build_tiny_target
 from dflash_cache.train.speculative import greedy_generate
 from tests.extract.test_chat import CHATS, write_jsonl
-from tests.train.conftest import one_torch_thread
 
 NEW_TOKENS = 10
 EOT_ID = 0  # the tiny tokenizer's end of text, its template's end of an assistant turn
@@ -37,8 +36,7 @@ def regenerated(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
                            dtype="float32", progress=False)
     import torch
 
-    with one_torch_thread():
-        report = regenerate(cfg, torch.device("cpu"))
+    report = regenerate(cfg, torch.device("cpu"))
     rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
     assert (report.rows, report.dropped, len(rows)) == (len(CHATS) + 1, 1, len(CHATS) + 1)
     assert report.turns == sum(m["role"] == "assistant" for c in [*CHATS, CHATS[0]] for m in c)
@@ -53,19 +51,18 @@ def test_each_assistant_turn_is_the_targets_greedy_reply_to_what_precedes_it(reg
     target = build_tiny_target().float()
     encoder = ChatSpec("tiny").load()
     originals = [*CHATS, CHATS[0]]
-    with one_torch_thread():
-        for conv, original in zip(rows, originals, strict=True):
-            assert [m["role"] for m in conv] == [m["role"] for m in original]
-            for i, message in enumerate(conv):
-                if message["role"] != "assistant":
-                    assert message == original[i]
-                    continue
-                prompt = encoder.tokenizer(encoder.render(conv[:i], generation_prompt=True),
-                                           add_special_tokens=False)["input_ids"]
-                reply = np.asarray(greedy_generate(target, prompt, NEW_TOKENS))
-                stop = np.flatnonzero(reply == EOT_ID)
-                reply = reply[: stop[0]] if stop.size else reply
-                assert message["content"] == encoder.tokenizer.decode(reply, skip_special_tokens=True)
+    for conv, original in zip(rows, originals, strict=True):
+        assert [m["role"] for m in conv] == [m["role"] for m in original]
+        for i, message in enumerate(conv):
+            if message["role"] != "assistant":
+                assert message == original[i]
+                continue
+            prompt = encoder.tokenizer(encoder.render(conv[:i], generation_prompt=True),
+                                       add_special_tokens=False)["input_ids"]
+            reply = np.asarray(greedy_generate(target, prompt, NEW_TOKENS))
+            stop = np.flatnonzero(reply == EOT_ID)
+            reply = reply[: stop[0]] if stop.size else reply
+            assert message["content"] == encoder.tokenizer.decode(reply, skip_special_tokens=True)
     assert rows[0] == rows[-1], "the same conversation regenerates the same way in another batch row"
 
 
@@ -99,8 +96,7 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path, monkeypatch):
                     dtype="float32", progress=False)
         return RegenerateConfig(**{**base, **kw})
 
-    with one_torch_thread():
-        regenerate(cfg(tmp_path / "straight.jsonl"), torch.device("cpu"))
+    regenerate(cfg(tmp_path / "straight.jsonl"), torch.device("cpu"))
     calls = []
     real = regenerate_module.greedy_complete
 
@@ -113,7 +109,7 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path, monkeypatch):
     monkeypatch.setattr(regenerate_module, "greedy_complete", counting)
     out = tmp_path / "out.jsonl"
     fail = True
-    with pytest.raises(RuntimeError, match="simulated"), one_torch_thread():
+    with pytest.raises(RuntimeError, match="simulated"):
         regenerate(cfg(out), torch.device("cpu"))
     assert not out.exists()
     assert sorted(p.name for p in (tmp_path / "out.jsonl.parts").iterdir()) == [
@@ -121,8 +117,7 @@ def test_a_stopped_run_resumes_from_its_finished_parts(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="holds the parts of a run with another max_new_tokens"):
         regenerate(cfg(out, max_new_tokens=5), torch.device("cpu"))
     fail, calls[:] = False, []
-    with one_torch_thread():
-        report = regenerate(cfg(out), torch.device("cpu"))
+    report = regenerate(cfg(out), torch.device("cpu"))
     assert report.resumed_parts == 1 and report.rows == 6
     assert len(calls) == 1 + 1 + 2 + 1 + 1, "rows 1..5 only, one call per assistant turn (row 0 had 2)"
     assert out.read_text() == (tmp_path / "straight.jsonl").read_text()
@@ -144,7 +139,6 @@ def test_a_row_the_chat_template_refuses_is_dropped_not_a_crash(tmp_path):
     data = write_jsonl(tmp_path / "chat.jsonl", [CHATS[0], bad])
     cfg = RegenerateConfig(model="tiny", data=str(data), out=str(tmp_path / "out.jsonl"), chat_template=str(template),
                            max_new_tokens=4, dtype="float32", progress=False)
-    with one_torch_thread():
-        report = regenerate(cfg, torch.device("cpu"))
+    report = regenerate(cfg, torch.device("cpu"))
     assert (report.rows, report.dropped) == (1, 1)
     assert report.turns == sum(m["role"] == "assistant" for m in CHATS[0]) + 1  # the bad row's first turn ran

@@ -26,9 +26,8 @@ from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from dflash_cache.store.segments import read_records, segment_name
-from tests.conftest import extract_config, random_rows, wait_for_commits
+from tests.conftest import REPO, extract_config, random_rows, torchrun_cli, wait_for_commits
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--model", "tiny", "--gpus", "cpu", "--token-budget", "1024", "--max-rows", "8", "--unit-rows", "16",
          "--buckets", "0,32,64", "--no-progress", "--writers", "2"]
 
@@ -189,11 +188,7 @@ def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, 
 
 def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
     out = tmp_path / "c"
-    port = 29500 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "dflash_cache.cli", "extract", "--data", str(small_parquet), "--out", str(out), *SMALL]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL, timeout=300)
     records = read_records(out)
     assert {r.rank for r in records} == {0, 1}
     assert sample_ids(out) == list(range(48))

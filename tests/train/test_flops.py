@@ -10,7 +10,7 @@ from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.flops import PEAK_BF16_FLOPS, device_peak_flops, step_flops
 from dflash_cache.train.trainer import Trainer
-from tests.train.conftest import demo_train_config, one_torch_thread
+from tests.train.conftest import demo_train_config
 
 MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
 
@@ -31,14 +31,13 @@ def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path
 
     monkeypatch.setattr(trainer_module, "sample_anchors", recording)
     cfg = demo_train_config(demo_cache, tmp_path, max_steps=1)
-    with one_torch_thread():
-        trainer = Trainer.build(cfg, device=torch.device("cpu"))
-        trainer.fewer_rows = fewer_rows
-        added = []
-        monkeypatch.setattr(trainer.profiler, "add_flops", added.append)
-        _, batch = next(trainer.source.iterate(Position(0, 0)))
-        with FlopCounterMode(display=False) as counter:
-            trainer.train_step(batch)
+    trainer = Trainer.build(cfg, device=torch.device("cpu"))
+    trainer.fewer_rows = fewer_rows
+    added = []
+    monkeypatch.setattr(trainer.profiler, "add_flops", added.append)
+    _, batch = next(trainer.source.iterate(Position(0, 0)))
+    with FlopCounterMode(display=False) as counter:
+        trainer.train_step(batch)
     counted = counter.get_flop_counts()["Global"]
     matmul = sum(n for op, n in counted.items() if str(op).split(".")[1] in MATMULS)
     blocks = seen[0]

@@ -26,6 +26,7 @@ from dflash_cache.train.epoch_plan import Position, SourceConfig
 from dflash_cache.train.live_source import LiveSource, live_sample_table
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
 from dflash_cache.train.trainer import Trainer
+from tests.conftest import torchrun_cli
 
 SOURCE = SourceConfig(token_budget=2048, min_supervised=16, seed=3, prefetch=2, read_threads=1)
 CPU = torch.device("cpu")
@@ -161,19 +162,12 @@ def test_torchrun_two_cpu_ranks_train_live_and_tee_one_cache(tmp_path):
     """`train --live` under torchrun: each rank runs its own target on its share of every epoch, DDP
     joins the drafters, and the ranks' tee'd segments make one complete, valid cache."""
     import json
-    import os
-    import subprocess
-    import sys
 
     out, tee = tmp_path / "run", tmp_path / "tee"
-    port = 29700 + (os.getpid() + 500) % 1000
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "dflash_cache.cli", "train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out),
-           "--target-gpus", "cpu", "--device", "cpu", "--epochs", "1", "--block-size", "8", "--draft-layers", "1",
-           "--num-anchors", "8", "--token-budget", "1024", "--queue-depth", "4", "--log-every", "2",
-           "--write-cache", str(tee), "--no-progress"]
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_cli("train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out), "--target-gpus", "cpu",
+                 "--device", "cpu", "--epochs", "1", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8",
+                 "--token-budget", "1024", "--queue-depth", "4", "--log-every", "2", "--write-cache", str(tee),
+                 "--no-progress")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["epoch"] in (0, 1)
     reader = CacheReader(tee)

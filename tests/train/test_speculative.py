@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,17 +19,9 @@ from dflash_cache.train.drafter import FrozenTargetHead, init_drafter
 from dflash_cache.train.export import drafter_from_export, export_drafter
 from dflash_cache.train.speculative import evaluate, greedy_generate, load_prompts, speculative_generate
 
-from .conftest import one_torch_thread
 from .test_export import load_with_automodel
 
 MAX_NEW_TOKENS = 48  # the longest decoding any test here asks for
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Token-by-token decoding is a long chain of tiny ops: see one_torch_thread."""
-    with one_torch_thread():
-        yield
 
 
 class Tiny(NamedTuple):

@@ -17,7 +17,7 @@ from dflash_cache.profiler import StageProfiler
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer, lr_factor
-from tests.train.conftest import one_torch_thread
+from tests.conftest import torchrun_cli
 from tools.make_demo_drafter import demo_train_config
 
 
@@ -42,8 +42,7 @@ def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
     checked in tests/tools; this run is what proves that the trainer as it is now still learns.)"""
     import torch
 
-    with one_torch_thread():
-        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=40, log_every=5), device=torch.device("cpu")).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=40, log_every=5), device=torch.device("cpu")).fit()
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(5, 41, 5))
     first = rows[0]
@@ -163,20 +162,12 @@ def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
 
 
 def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file as load
 
     out = tmp_path / "ddp"
-    port = 29700 + os.getpid() % 1000
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "dflash_cache.cli", "train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
-           "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024",
-           "--max-steps", "4", "--log-every", "2", "--device", "cpu", "--no-progress"]
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_cli("train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out), "--block-size", "8",
+                 "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024", "--max-steps", "4",
+                 "--log-every", "2", "--device", "cpu", "--no-progress", timeout=300)
     assert [r["step"] for r in _rows(out)] == [2, 4]
     rng = load(out / "checkpoints" / "step_0000004" / "rng.safetensors")
     assert {"anchors.rank0", "anchors.rank1"} <= set(rng)
@@ -264,19 +255,18 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
 def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
     """The compile warm-up runs forward and backward on made-up batches but changes nothing of the
     run: weights, gradients, optimiser state, RNG states and the profiler's counts are as before."""
-    with one_torch_thread():
-        trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2), device=torch.device("cpu"))
-        weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        rng, anchors = torch.get_rng_state(), trainer.generator.get_state()
-        forwards, had_grads, zero_grad = [], [], trainer.model.zero_grad
-        trainer.model.register_forward_hook(lambda *_: forwards.append(True))
+    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2), device=torch.device("cpu"))
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    rng, anchors = torch.get_rng_state(), trainer.generator.get_state()
+    forwards, had_grads, zero_grad = [], [], trainer.model.zero_grad
+    trainer.model.register_forward_hook(lambda *_: forwards.append(True))
 
-        def recording_zero_grad(**kw):
-            had_grads.append(all(p.grad is not None for p in trainer.model.parameters()))
-            zero_grad(**kw)
+    def recording_zero_grad(**kw):
+        had_grads.append(all(p.grad is not None for p in trainer.model.parameters()))
+        zero_grad(**kw)
 
-        trainer.model.zero_grad = recording_zero_grad
-        assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True]
+    trainer.model.zero_grad = recording_zero_grad
+    assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True]
     assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
     assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.generator.get_state(), anchors)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,13 +66,19 @@ def s3_server():
     the session: fsspec keeps the filesystems it made (and their connections) for the process, so
     they must not outlive the server they talk to. Modules use buckets of their own."""
     s3fs = pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
+    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
     requests = logging.getLogger("werkzeug")  # the server's line per request, captured by pytest: seconds
     level = requests.level                    # per extraction
     requests.setLevel(logging.WARNING)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    # moto's S3 app itself, not its all-services dispatcher (ThreadedMotoServer), which lists moto's
+    # package folder and tries every service's URL patterns on each request: a third less CPU a request
+    server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AWS_ACCESS_KEY_ID", "test")
         env.setenv("AWS_SECRET_ACCESS_KEY", "test")
@@ -79,4 +86,5 @@ def s3_server():
         env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
         yield s3fs.S3FileSystem(skip_instance_cache=True)
     requests.setLevel(level)
-    server.stop()
+    server.shutdown()
+    thread.join()
