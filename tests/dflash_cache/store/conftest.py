@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,19 +67,11 @@ def s3_server():
     the session: fsspec keeps the filesystems it made (and their connections) for the process, so
     they must not outlive the server they talk to. Modules use buckets of their own."""
     s3fs = pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
-    from werkzeug.serving import make_server
-
+    moto_server = pytest.importorskip("moto.server")
     requests = logging.getLogger("werkzeug")  # the server's line per request, captured by pytest: seconds
     level = requests.level                    # per extraction
     requests.setLevel(logging.WARNING)
-    # moto's S3 app itself, not its all-services dispatcher (ThreadedMotoServer), which lists moto's
-    # package folder and tries every service's URL patterns on each request: a third less CPU a request
-    server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
+    host, port, stop = _s3_app_server() or _all_services_server(moto_server)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AWS_ACCESS_KEY_ID", "test")
         env.setenv("AWS_SECRET_ACCESS_KEY", "test")
@@ -86,5 +79,30 @@ def s3_server():
         env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
         yield s3fs.S3FileSystem(skip_instance_cache=True)
     requests.setLevel(level)
-    server.shutdown()
-    thread.join()
+    stop()
+
+
+def _s3_app_server() -> tuple[str, int, Callable[[], None]] | None:
+    """moto's S3 app alone on a free port: its all-services dispatcher (ThreadedMotoServer) lists
+    moto's package folder and tries every service's URL patterns on each request, a third more CPU a
+    request. The app lives in a moto module that is not public API: None if it has moved."""
+    try:
+        from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
+        from werkzeug.serving import make_server
+    except ImportError:
+        return None
+    server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.shutdown()
+        thread.join()
+
+    return *server.server_address[:2], stop
+
+
+def _all_services_server(moto_server) -> tuple[str, int, Callable[[], None]]:
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    return *server.get_host_and_port(), server.stop
