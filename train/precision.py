@@ -66,4 +66,13 @@ def fp32_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):
     buffer = bucket.buffer()
     world = dist.get_world_size(group)
     work = dist.all_reduce(buffer.to(torch.float32), group=group, async_op=True)
-    return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(world)))
+    if buffer.is_cuda:  # NCCL runs the callback on this thread, ordered on the stream: the copy overlaps
+        return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(world)))
+    # gloo would run a Python callback on its worker thread, and release it there after the step has
+    # moved on. DDP keeps that thread alive until exit, so the release can meet the interpreter's
+    # shutdown and abort the process. On a CPU there is no stream to overlap with: finish here.
+    work.wait()
+    buffer.copy_(work.result()[0].div_(world))
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done

@@ -160,3 +160,29 @@ def test_ddp_averages_bf16_gradients_in_float32(tmp_path):
         # order the float32 sum took; bf16 sums round at each addition and miss that
         half_unit = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 9)
         assert ((g.double() - exact).abs() <= half_unit * (1 + 1e-5)).all()
+
+
+class _Bucket:
+    """What the hook reads of DDP's GradBucket."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def test_gloo_hook_returns_a_finished_future(tmp_path):
+    """CI once aborted a rank at exit ("terminate called without an active exception"): gloo ran the
+    hook's Python callback on its worker thread and released it there as the interpreter shut down.
+    On a CPU the hook finishes its work before returning, so no Python is left for gloo's threads."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        for _ in range(5):
+            buffer = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            want = buffer.clone()
+            fut = fp32_allreduce_hook(None, _Bucket(buffer))
+            assert fut.done()
+            assert fut.value() is buffer and torch.equal(buffer, want)
+    finally:
+        dist.destroy_process_group()
