@@ -82,6 +82,33 @@ def _is_recurrent(layer) -> bool:
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
+@dataclass(frozen=True)
+class _RecurrentSnapshot:
+    """One linear-attention cache layer as it was before a verify forward: its conv and recurrent
+    states and, where transformers keeps one (5.25 does), its own token count, from which the
+    model takes the next positions: with the states alone the positions would run k tokens ahead."""
+
+    layer: Any
+    conv: dict[int, torch.Tensor]
+    recurrent: dict[int, torch.Tensor]
+    length: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer) -> _RecurrentSnapshot:
+        length = getattr(layer, "cumulative_length_linear", None)
+        return cls(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                   {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                   length.clone() if isinstance(length, torch.Tensor) else None)
+
+    def restore(self) -> None:
+        for i, t in self.conv.items():
+            self.layer.conv_states[i].copy_(t)
+        for i, t in self.recurrent.items():
+            self.layer.recurrent_states[i].copy_(t)
+        if self.length is not None:
+            self.layer.cumulative_length_linear.copy_(self.length)
+
+
 class TargetSession:
     """The target with its cache over one sequence: `forward` appends tokens, `keep(n)` after a
     forward of k tokens keeps only its first n of them (see the module doc for how)."""
@@ -91,7 +118,7 @@ class TargetSession:
         self.device = next(target.parameters()).device
         self.cache = new_cache(target)
         self.kw = {_cache_kw(target): self.cache, "use_cache": True, "output_hidden_states": hidden_states}
-        self._snapshot: list[tuple[Any, dict, dict]] | None = None
+        self._snapshot: list[_RecurrentSnapshot] | None = None
         self._last: torch.Tensor | None = None
 
     def _recurrent_layers(self) -> list:
@@ -99,10 +126,7 @@ class TargetSession:
 
     def forward(self, ids: torch.Tensor):
         """Run the target on ids [1, k] after everything kept so far; remembers how to undo it."""
-        layers = self._recurrent_layers()
-        self._snapshot = [(layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-                           {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
-                          for layer in layers]
+        self._snapshot = [_RecurrentSnapshot.of(layer) for layer in self._recurrent_layers()]
         self._last = ids
         return self.target(input_ids=ids, **self.kw)
 
@@ -115,11 +139,8 @@ class TargetSession:
             self.cache.crop(-(k - n))  # a negative crop removes that many trailing tokens
             return
         self._drop_attention_tail(k)
-        for layer, conv, recurrent in self._snapshot:
-            for i, t in conv.items():
-                layer.conv_states[i].copy_(t)
-            for i, t in recurrent.items():
-                layer.recurrent_states[i].copy_(t)
+        for snapshot in self._snapshot:
+            snapshot.restore()
         self.target(input_ids=self._last[:, :n], **{**self.kw, "output_hidden_states": False})
 
     def _drop_attention_tail(self, k: int) -> None:
