@@ -229,13 +229,16 @@ def test_bad_data_found_by_rank_0_is_one_error_line_from_the_cli(tmp_path, monke
 
 
 def slow_extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Echo) -> None:
-    """An extraction rank that takes its time over each array it writes, so it can be interrupted."""
+    """An extraction rank that can be interrupted mid-run: it writes arrays at a walk until two
+    segments are committed, then at a crawl, so that a test starved of CPU while it waits for those
+    two still finds the run going (CI once saw it finish all nine first)."""
     import dflash_cache.store.writer as writer
 
     real = writer.write_array
+    commits = Path(cfg.out) / "commits"
 
     def slow(*args, **kwargs):
-        time.sleep(0.05)
+        time.sleep(0.25 if len(list(commits.glob("*.json"))) >= 2 else 0.05)
         return real(*args, **kwargs)
 
     writer.write_array = slow
