@@ -10,7 +10,8 @@ the same result: which form, if any, the loss should use.
 
 `--kernel-configs` also times the Triton loss kernels between them (dflash_cache.train.loss_kernel)
 on one chunk's bf16 logits, per launch setting: `COLUMNSxWARPS` the two-pass kernel (columns per
-iteration; it reads the logits twice and writes them once), `segCOLUMNSxWARPS` the one-read
+iteration; it reads the logits twice and writes them once; `/pN`, `/r`, `/e` add the launch flags of
+bench.common.loss_kernel_launch), `segCOLUMNSxWARPS` the one-read
 experiment (bench/one_read_loss.py; columns per program, one read and one write). GB/s is each
 kernel's own traffic over its time.
 """
@@ -27,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import loss_kernel_launch  # noqa: E402
 from dflash_cache.train.flops import device_peak_flops  # noqa: E402
 
 
@@ -90,28 +92,30 @@ def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, 
     weights = torch.rand(rows, device=dev, generator=g)
     total = weights.sum()
     out, reference = [], None
-    print("| kernel | columns x warps | ms | GB/s | same result |\n|---|---|---:|---:|---|")
+    print("| kernel | setting | ms | GB/s | same result |\n|---|---|---:|---:|---|")
     for config in configs.split(","):
         one_read = config.startswith("seg")
-        block, warps = (int(x) for x in config.removeprefix("seg").split("x"))
+        launch = loss_kernel_launch(config.removeprefix("seg"))
         if one_read:
             run = functools.partial(logits_loss_and_grad_one_read, labels=labels, weights=weights,
-                                    total_weight=total, segment=block, num_warps=warps)
+                                    total_weight=total, segment=launch["block"], num_warps=launch["num_warps"])
         else:
             run = functools.partial(logits_loss_and_grad_triton, labels=labels, weights=weights,
-                                    total_weight=total, block=block, num_warps=warps)
+                                    total_weight=total, **launch)
         traffic = (2 if one_read else 3) * logits.numel() * logits.element_size()
         loss, correct, grad = run(logits.clone())
         if reference is None:
             reference = (loss, correct, grad)
         same = bool(torch.allclose(loss, reference[0], rtol=1e-5) and torch.equal(correct, reference[1])
                     and torch.allclose(grad.float(), reference[2].float(), atol=1e-6, rtol=2**-7))
+        identical = bool(torch.equal(loss, reference[0]) and torch.equal(grad, reference[2]))
         buf = logits.clone()  # the kernel writes its gradient over the buffer: later calls see gradients
         ms = do_bench(functools.partial(run, buf), warmup=50, rep=300, return_mode="median")
         kind = "one read" if one_read else "two-pass"
-        out.append({"kernel": kind, "block": block, "num_warps": warps, "ms": ms, "gb_s": traffic / ms / 1e6,
-                    "same": same})
-        print(f"| {kind} | {block} x {warps} | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} |", flush=True)
+        out.append({"kernel": kind, "setting": config, **launch, "ms": ms, "gb_s": traffic / ms / 1e6,
+                    "same": same, "identical": identical})
+        print(f"| {kind} | `{config}` | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} ({'bit for bit' if identical else 'to rounding'}) |",
+              flush=True)
     return out
 
 
