@@ -65,20 +65,3 @@ def timed(fn, device: torch.device, reps: int, during: contextlib.AbstractContex
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) / reps
-
-
-def loss_kernel_launch(spec: str) -> dict:
-    """`BLOCKxWARPS[/pN][/r][/e]` -> keyword arguments of logits_loss_and_grad_triton: columns per
-    iteration x warps, then optionally a persistent grid of N programs per multiprocessor (`pN`), a
-    reversed second pass (`r`) and L2 eviction hints (`e`). E.g. `8192x8/p1/r`."""
-    head, *flags = spec.split("/")
-    block, warps = (int(x) for x in head.split("x"))
-    launch = {"block": block, "num_warps": warps}
-    for flag in flags:
-        if flag.startswith("p") and flag[1:].isdigit():
-            launch["programs_per_sm"] = int(flag[1:])
-        elif flag in ("r", "e"):
-            launch["reverse" if flag == "r" else "evict"] = True
-        else:
-            raise ValueError(f"loss kernel setting {spec!r}: unknown flag {flag!r} (pN, r or e)")
-    return launch

@@ -10,8 +10,7 @@ the same result: which form, if any, the loss should use.
 
 `--kernel-configs` also times the Triton loss kernels between them (dflash_cache.train.loss_kernel)
 on one chunk's bf16 logits, per launch setting: `COLUMNSxWARPS` the two-pass kernel (columns per
-iteration; it reads the logits twice and writes them once; `/pN`, `/r`, `/e` add the launch flags of
-bench.common.loss_kernel_launch), `segCOLUMNSxWARPS` the one-read
+iteration; it reads the logits twice and writes them once), `segCOLUMNSxWARPS` the one-read
 experiment (bench/one_read_loss.py; columns per program, one read and one write). GB/s is each
 kernel's own traffic over its time.
 """
@@ -28,7 +27,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import loss_kernel_launch  # noqa: E402
 from dflash_cache.train.flops import device_peak_flops  # noqa: E402
 
 
@@ -92,16 +90,16 @@ def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, 
     weights = torch.rand(rows, device=dev, generator=g)
     total = weights.sum()
     out, reference = [], None
-    print("| kernel | setting | ms | GB/s | same result |\n|---|---|---:|---:|---|")
+    print("| kernel | columns x warps | ms | GB/s | same result |\n|---|---|---:|---:|---|")
     for config in configs.split(","):
         one_read = config.startswith("seg")
-        launch = loss_kernel_launch(config.removeprefix("seg"))
+        block, warps = (int(x) for x in config.removeprefix("seg").split("x"))
         if one_read:
             run = functools.partial(logits_loss_and_grad_one_read, labels=labels, weights=weights,
-                                    total_weight=total, segment=launch["block"], num_warps=launch["num_warps"])
+                                    total_weight=total, segment=block, num_warps=warps)
         else:
             run = functools.partial(logits_loss_and_grad_triton, labels=labels, weights=weights,
-                                    total_weight=total, **launch)
+                                    total_weight=total, block=block, num_warps=warps)
         traffic = (2 if one_read else 3) * logits.numel() * logits.element_size()
         loss, correct, grad = run(logits.clone())
         if reference is None:
@@ -112,10 +110,10 @@ def time_loss_kernel(configs: str, *, rows: int, vocab: int, dev: torch.device, 
         buf = logits.clone()  # the kernel writes its gradient over the buffer: later calls see gradients
         ms = do_bench(functools.partial(run, buf), warmup=50, rep=300, return_mode="median")
         kind = "one read" if one_read else "two-pass"
-        out.append({"kernel": kind, "setting": config, **launch, "ms": ms, "gb_s": traffic / ms / 1e6,
+        out.append({"kernel": kind, "block": block, "num_warps": warps, "ms": ms, "gb_s": traffic / ms / 1e6,
                     "same": same, "identical": identical})
-        print(f"| {kind} | `{config}` | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} ({'bit for bit' if identical else 'to rounding'}) |",
-              flush=True)
+        exact = "bit for bit" if identical else "to rounding"
+        print(f"| {kind} | {block} x {warps} | {ms:.3f} | {traffic / ms / 1e6:,.0f} | {same} ({exact}) |", flush=True)
     return out
 
 

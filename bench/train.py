@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import functools
 import itertools
 import json
 import os
@@ -47,7 +46,6 @@ from bench.common import (  # noqa: E402
     add_common_args,
     bench_drafter_config,
     commit_synthetic_manifest,
-    loss_kernel_launch,
     start_logging_and_device,
 )
 from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
@@ -66,7 +64,6 @@ from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
 from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
 from dflash_cache.train.loss import LOSS_KERNELS  # noqa: E402
-from dflash_cache.train.loss_kernel import logits_loss_and_grad_triton  # noqa: E402
 from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
 from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state  # noqa: E402
 from dflash_cache.train.precision import Precision  # noqa: E402
@@ -251,9 +248,8 @@ def main() -> None:
                          "rows; the trainer's is 4096): fewer, larger products against more logits memory")
     ap.add_argument("--loss-kernels", default="",
                     help="also time the resident batches with these LM-head loss chunk kernels (comma-separated "
-                         "names from dflash_cache.train.loss.LOSS_KERNELS, or one-read: bench/one_read_loss.py, or "
-                         "triton:SETTING, the Triton kernel launched as bench.common.loss_kernel_launch reads "
-                         "SETTING, e.g. triton:8192x8/p1/r; the trainer's is triton)")
+                         "names from dflash_cache.train.loss.LOSS_KERNELS, or one-read: bench/one_read_loss.py; the "
+                         "trainer's is triton)")
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with FlexAttention lowered another way: 'flash' "
                          "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package), "
@@ -358,10 +354,6 @@ def main() -> None:
         from bench.one_read_loss import logits_loss_and_grad_one_read
 
         LOSS_KERNELS["one-read"] = lambda: logits_loss_and_grad_one_read
-    for name in kernel_runs.values():
-        if name.startswith("triton:"):
-            launched = functools.partial(logits_loss_and_grad_triton, **loss_kernel_launch(name.removeprefix("triton:")))
-            LOSS_KERNELS[name] = lambda launched=launched: launched
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
     default_attention = trainer.model.flex_attention_fn
     model = trainer.model

@@ -38,72 +38,53 @@ def _build_kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def _chunk_kernel(logits_ptr, labels_ptr, row_scale_ptr, ce_ptr, correct_ptr, n_rows, V, stride_row,
-                      HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
-                      EVICT: tl.constexpr):
-        # Rows pid, pid + grid, ...: one row per program when the grid covers every row, else a
-        # persistent grid whose few rows in flight may still be in L2 when their second pass reads them.
+    def _chunk_kernel(logits_ptr, labels_ptr, row_scale_ptr, ce_ptr, correct_ptr, V, stride_row,
+                      HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride_row
         cols = tl.arange(0, BLOCK)
-        n_blocks = tl.cdiv(V, BLOCK)
-        pid = tl.program_id(0).to(tl.int64)
-        n_programs = tl.num_programs(0).to(tl.int64)
-        for i in range(0, tl.cdiv(n_rows - pid, n_programs)):
-            row = pid + i * n_programs
-            base = logits_ptr + row * stride_row
-            running_max = tl.full([], float("-inf"), tl.float32)
-            sum_exp = tl.full([], 0.0, tl.float32)
-            best = tl.full([], float("-inf"), tl.float32)
-            best_col = tl.full([], 0, tl.int64)
+        running_max = tl.full([], float("-inf"), tl.float32)
+        sum_exp = tl.full([], 0.0, tl.float32)
+        best = tl.full([], float("-inf"), tl.float32)
+        best_col = tl.full([], 0, tl.int64)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            block_max = tl.max(x, axis=0)
+            block_col = tl.argmax(x, axis=0).to(tl.int64) + start  # the first maximal column
+            new_max = tl.maximum(running_max, block_max)
+            sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+            take = block_max > best  # strictly: an equal later maximum keeps the first column, as torch does
+            best_col = tl.where(take, block_col, best_col)
+            best = tl.where(take, block_max, best)
+        lse = running_max + tl.log(sum_exp)
+        label = tl.load(labels_ptr + row)
+        target = tl.maximum(label, 0)  # rows with weight 0 may carry -100
+        x_target = tl.load(base + target).to(tl.float32)
+        tl.store(ce_ptr + row, lse - x_target)
+        tl.store(correct_ptr + row, (best_col == label).to(tl.int8))
+        if HAS_GRAD:
+            scale = tl.load(row_scale_ptr + row)
             for start in range(0, V, BLOCK):
                 idx = start + cols
-                if EVICT:
-                    x = tl.load(base + idx, mask=idx < V, other=float("-inf"), eviction_policy="evict_last")
-                else:
-                    x = tl.load(base + idx, mask=idx < V, other=float("-inf"))
-                x = x.to(tl.float32)
-                block_max = tl.max(x, axis=0)
-                block_col = tl.argmax(x, axis=0).to(tl.int64) + start  # the first maximal column
-                new_max = tl.maximum(running_max, block_max)
-                sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-                running_max = new_max
-                take = block_max > best  # strictly: an equal later maximum keeps the first column, as torch does
-                best_col = tl.where(take, block_col, best_col)
-                best = tl.where(take, block_max, best)
-            lse = running_max + tl.log(sum_exp)
-            label = tl.load(labels_ptr + row)
-            target = tl.maximum(label, 0)  # rows with weight 0 may carry -100
-            x_target = tl.load(base + target).to(tl.float32)
-            tl.store(ce_ptr + row, lse - x_target)
-            tl.store(correct_ptr + row, (best_col == label).to(tl.int8))
-            if HAS_GRAD:
-                scale = tl.load(row_scale_ptr + row)
-                for i in range(0, n_blocks):
-                    # Reversed, the second pass starts on the columns the first pass read last.
-                    start = ((n_blocks - 1 - i) if REVERSE else i) * BLOCK
-                    idx = start + cols
-                    keep = idx < V
-                    if EVICT:
-                        x = tl.load(base + idx, mask=keep, other=0.0, eviction_policy="evict_first")
-                    else:
-                        x = tl.load(base + idx, mask=keep, other=0.0)
-                    p = tl.exp(x.to(tl.float32) - lse)
-                    grad = tl.where(idx == target, p - 1.0, p) * scale
-                    tl.store(base + idx, grad.to(logits_ptr.dtype.element_ty), mask=keep)
+                keep = idx < V
+                x = tl.load(base + idx, mask=keep, other=0.0).to(tl.float32)
+                p = tl.exp(x - lse)
+                grad = tl.where(idx == target, p - 1.0, p) * scale
+                tl.store(base + idx, grad.to(logits_ptr.dtype.element_ty), mask=keep)
 
     return _chunk_kernel
 
 
 def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                                total_weight: torch.Tensor | None, *, block: int = BLOCK_V, num_warps: int = 8,
-                                programs_per_sm: int = 0, reverse: bool = False, evict: bool = False,
+                                total_weight: torch.Tensor | None, *, block: int = BLOCK_V, num_warps: int = 8
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`logits_loss_and_grad`'s contract, on CUDA (or CPU under TRITON_INTERPRET=1).
 
     The gradient, when asked for, is written over `logits` and returned: the caller must not need
-    the logits afterwards. `block` (columns per iteration, a power of 2), `num_warps`,
-    `programs_per_sm` (0: a program per row; else a persistent grid of that many per multiprocessor),
-    `reverse` (the second pass walks a row backwards) and `evict` (L2 hints: the first pass keeps,
-    the second drops) are the launch settings bench/lm_head.py compares.
+    the logits afterwards. `block` (columns per iteration, a power of 2) and `num_warps` are the
+    launch settings bench/lm_head.py compares.
     """
     interpret = require_triton(_WHO, "train with --no-compile, or on a CPU, for the torch loss")
     check_triton_device(logits, _WHO)
@@ -118,18 +99,12 @@ def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weig
     has_grad = total_weight is not None
     row_scale = (weights / total_weight).contiguous() if has_grad else weights  # unused without the gradient
     if rows:
-        grid = rows if programs_per_sm <= 0 else min(rows, programs_per_sm * _multiprocessors(logits.device))
         with on_device_of(logits):
-            _build_kernel(interpret)[(grid,)](logits, labels, row_scale, ce, correct, rows, vocab, logits.stride(0),
+            _build_kernel(interpret)[(rows,)](logits, labels, row_scale, ce, correct, vocab, logits.stride(0),
                                               HAS_GRAD=has_grad, BLOCK=min(block, _next_power_of_2(vocab)),
-                                              REVERSE=reverse, EVICT=evict, num_warps=num_warps)
+                                              num_warps=num_warps)
     loss_sum = torch.where(weights != 0, ce * weights, torch.zeros_like(ce)).sum()
     return loss_sum, correct.bool(), logits if has_grad else None
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a small stand-in for the interpreter's CPU tensors."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _next_power_of_2(n: int) -> int:
