@@ -175,9 +175,18 @@ def sync(device) -> None:
 
 def run_steps(trainer: Trainer, batches, steps: int, device) -> None:
     """`steps` untimed steps (compiles, a reader pool filling its prefetch window), then a sync."""
-    for batch in itertools.islice(batches, steps):
-        trainer.train_step(batch)
+    for _ in stepping(trainer, itertools.islice(batches, steps)):
+        pass
     sync(device)
+
+
+def stepping(trainer: Trainer, batches, lookahead: bool = True):
+    """Each batch's step, as `dflash-cache train` takes them (Trainer.train_steps: the next batch's
+    anchors sampled while a step is queued on the device), yielding the batch after its step; without
+    `lookahead`, one batch at a time (train_step samples its own anchors first), as before 2026-12-04."""
+    if lookahead:
+        return (batch for _, batch, _ in trainer.train_steps((None, b) for b in batches))
+    return (batch for batch in batches if trainer.train_step(batch) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +197,8 @@ class Timing:
     with_fill_tokens: int
 
 
-def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int = 0) -> Timing:
+def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int = 0,
+                lookahead: bool = True) -> Timing:
     """`steps` steps after one untimed lead-in step, with no synchronisation in between.
 
     The host prepares each step (the batch's fetch and copy, the anchors, the launches) while the
@@ -199,20 +209,19 @@ def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int =
     step: device idle time within the timed steps (a host that falls behind) still counts.
     `with_fill_seconds` runs from a synchronisation before the lead-in step to one after the last,
     as this script timed every step before 2026-12-02. `sync_every` K > 0 waits for the device
-    after every K-th timed step, as `dflash-cache train` did at each log step before 2026-12-02."""
-    batches = iter(batches)
+    after every K-th timed step, as `dflash-cache train` did at each log step before 2026-12-02;
+    `lookahead` as in `stepping`."""
     sync(device)
     t0 = time.perf_counter()
-    lead_in = next(batches)
-    trainer.train_step(lead_in)
+    steps_run = stepping(trainer, itertools.islice(batches, steps + 1), lookahead)
+    lead_in = next(steps_run)
     trainer.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
     cuda = device.type == "cuda"
     start = torch.cuda.Event(enable_timing=True) if cuda else None
     if cuda:
         start.record()
     t1, tokens = time.perf_counter(), 0
-    for i, batch in enumerate(itertools.islice(batches, steps), start=1):
-        trainer.train_step(batch)
+    for i, batch in enumerate(steps_run, start=1):
         trainer.profiler.add_tokens(batch.num_tokens)
         tokens += batch.num_tokens
         if sync_every and i % sync_every == 0 and i < steps:
@@ -259,6 +268,9 @@ def main() -> None:
                          "(comma-separated NAME=VALUE, VALUE a Python literal, e.g. prologue_fusion=False)")
     ap.add_argument("--blas", default="", help="also time the resident batches with matrix products through this "
                     "BLAS library (torch.backends.cuda.preferred_blas_library: cublaslt; the default is cublas)")
+    ap.add_argument("--compare-no-lookahead", action="store_true",
+                    help="also time the resident batches and the first cache one batch at a time: each step's "
+                         "anchors sampled at its start, not while the step before is queued on the device")
     ap.add_argument("--compare-full-rows", action="store_true",
                     help="also time the resident batches with the drafter on every row (the trainer runs the "
                          "first layer's projections on the distinct block rows and the last layer's output "
@@ -361,6 +373,7 @@ def main() -> None:
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
     row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
+    one_at_a_time = {f"{src}-no-lookahead" for src in ("resident", codecs[0])} if args.compare_no_lookahead else set()
     k = args.compare_sync_every
     sync_runs = {f"{src}-sync-every-{k}": src for src in ("resident", codecs[0])} if k else {}
     precision_runs = {"resident-fp32-weights": Precision(autocast=True, master_weights=False)} \
@@ -375,6 +388,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
                      *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs, *sync_runs,
+                     *sorted(one_at_a_time),
                      *precision_runs]:
             trainer.static_shape = None if name == "resident-dynamic" else static_shape
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
@@ -387,7 +401,7 @@ def main() -> None:
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
             static_before = trainer.static_steps
-            source = sync_runs.get(name, name)
+            source = sync_runs.get(name, name.removesuffix("-no-lookahead") if name in one_at_a_time else name)
             if source.startswith("resident"):
                 if switched or name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs,
                                         **row_runs, **precision_runs} and rnd == 0:
@@ -405,7 +419,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
             with ClockSampler(device) as clocks:
-                timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0)
+                timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0,
+                                     lookahead=name not in one_at_a_time)
             sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0

@@ -10,11 +10,12 @@ scheduler and optimizer state, and the RNG states; the source recomputes its pla
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,6 +59,7 @@ from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticSha
 log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -119,6 +121,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.total_steps, cfg.warmup_ratio))
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000003 + rank)
+        # The generator's state before the anchors of a batch sampled ahead but not yet trained on
+        # (train_steps): what a checkpoint holds, so that a resume draws them again.
+        self._anchors_rewind: torch.Tensor | None = None
         self.backend = "flex" if device.type == "cuda" else "dense"
         self.compiled = cfg.compile and device.type == "cuda"
         # The shape compiled layers run static-shape kernels for (None: every step is dynamic).
@@ -143,7 +148,8 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:
         """Every rank's RNG states, keyed by rank (a collective call when world > 1)."""
-        own = {"torch_cpu": torch.get_rng_state(), "anchors": self.generator.get_state()}
+        anchors = self._anchors_rewind if self._anchors_rewind is not None else self.generator.get_state()
+        own = {"torch_cpu": torch.get_rng_state(), "anchors": anchors}
         if self.device.type == "cuda":
             own["torch_cuda"] = torch.cuda.get_rng_state(self.device)
         per_rank = [own]
@@ -209,12 +215,14 @@ class Trainer:
         if state.world == self.world:
             torch.set_rng_state(rng[f"torch_cpu.rank{self.rank}"])
             self.generator.set_state(rng[f"anchors.rank{self.rank}"])
+            self._anchors_rewind = None
             if f"torch_cuda.rank{self.rank}" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng[f"torch_cuda.rank{self.rank}"], self.device)
         else:
             # Another process count: the batch order continues exactly from the global position; anchor
             # draws cannot (they were per rank), so each rank re-seeds from (seed, step, rank).
             self.generator.manual_seed((self.cfg.seed * 1000003 + self.step) * 1009 + self.rank)
+            self._anchors_rewind = None
             if self.cfg.max_steps is None:
                 self.total_steps = self.step + self._remaining_steps()
             log.warning("resuming a run of %d process(es) with %d: the batch order continues where it stopped; "
@@ -230,15 +238,54 @@ class Trainer:
         return rest + per_epoch * max(0, self.cfg.epochs - self.position.epoch - 1)
 
     # --- the step ------------------------------------------------------------------------
-    def train_step(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+    def sample_blocks(self, batch: PackedBatch) -> Blocks:
+        """The batch's anchors and blocks (host work when the batch carries its host layout)."""
         cfg = self.cfg
         with self.profiler.span("dflash.anchors"):
-            blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                                    max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
-                                    generator=self.generator)
+            return sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                  max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
+                                  generator=self.generator)
+
+    def train_steps(self, items: Iterable[tuple[K, PackedBatch]]) -> Iterator[tuple[K, PackedBatch, dict]]:
+        """One step per (key, batch), yielding (key, batch, the step's metrics) after each.
+
+        While a step's forward and loss are queued on the device, the host takes the next batch and
+        samples its anchors: host work (~20-30 ms a step at the bench configuration) that the device
+        otherwise waited for at the start of the next step, its launch queue having run dry (an
+        H200's trace showed ~5 ms of idle device a step there). The anchors are drawn in the same
+        order as one batch at a time; a checkpoint between steps keeps the generator's state from
+        before the batch sampled ahead (`_anchors_rewind`), so a resume draws its anchors again.
+        """
+        items = iter(items)
+
+        def prepare() -> tuple[K, PackedBatch, Blocks, torch.Tensor] | None:
+            item = next(items, None)
+            if item is None:
+                return None
+            before = self.generator.get_state()
+            return item[0], item[1], self.sample_blocks(item[1]), before
+
+        upcoming = prepare()
+        while upcoming is not None:
+            key, batch, blocks, _ = upcoming
+            ahead: list = []
+            metrics = self.train_step(batch, blocks, while_queued=lambda ahead=ahead: ahead.append(prepare()))
+            upcoming = ahead[0] if ahead else prepare()
+            self._anchors_rewind = upcoming[3] if upcoming is not None else None
+            yield key, batch, metrics
+        self._anchors_rewind = None
+
+    def train_step(self, batch: PackedBatch, blocks: Blocks | None = None, *,
+                   while_queued: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+        """One optimizer step on `batch` (its anchors sampled here unless given). `while_queued` runs
+        on the host once the forward and the loss are launched, before the backward."""
+        cfg = self.cfg
+        if blocks is None:
+            blocks = self.sample_blocks(batch)
         static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
         self.static_steps += static
-        loss, correct = self._forward_backward(batch, blocks, static=static, net=self.net, profiler=self.profiler)
+        loss, correct = self._forward_backward(batch, blocks, static=static, net=self.net, profiler=self.profiler,
+                                               while_queued=while_queued)
         with self.profiler.device_span("optimizer.step", self._stream()):
             clipped_step(self.optimizer, self.params, cfg.grad_clip)
             self.scheduler.step()
@@ -256,8 +303,10 @@ class Trainer:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _forward_backward(self, batch: PackedBatch, blocks: Blocks, *, static: bool, net: torch.nn.Module,
-                          profiler: StageProfiler) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks, drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)])."""
+                          profiler: StageProfiler, while_queued: Callable[[], None] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks, drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)]);
+        `while_queued` runs between the loss and the backward (see train_steps)."""
         dcfg, stream = self.drafter_cfg, self._stream()
         ctx_doc, ctx_pos = context_doc_pos(batch)
         context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
@@ -275,6 +324,8 @@ class Trainer:
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
                                                 kernel=self.loss_kernel)
+        if while_queued is not None:
+            while_queued()
         with profiler.device_span("drafter.backward", stream):
             loss.backward()
         return loss, correct
@@ -358,15 +409,20 @@ class Trainer:
         metrics.start()
         tok_window = 0
         t_start, first_step = time.perf_counter(), True
+        steps = batches = None
         try:
             with DeferredInterrupt() as interrupt:
-                for position, batch in self.source.iterate(self.position,
-                                                           epochs=None if cfg.max_steps else cfg.epochs):
-                    if self.step >= self.total_steps:
+                batches = self.source.iterate(self.position, epochs=None if cfg.max_steps else cfg.epochs)
+                first = next(batches, None) if self.step < self.total_steps else None
+                t_batch = time.perf_counter()  # the first read, timed apart from the first step
+                steps = self.train_steps(itertools.islice(itertools.chain([first] if first else [], batches),
+                                                          max(0, self.total_steps - self.step)))
+                while True:
+                    stepped = self._explaining_compile_failures(next, steps, None)
+                    if stepped is None:
                         break
-                    if first_step:
-                        t_batch = time.perf_counter()
-                    window.append(self._explaining_compile_failures(self.train_step, batch))
+                    position, batch, step_metrics = stepped
+                    window.append(step_metrics)
                     if first_step:
                         self._log_startup(t_start, t_batch, warm_up)
                         first_step = False
@@ -399,6 +455,9 @@ class Trainer:
             raise
         finally:
             bar.close()
+            if steps is not None:  # the batch sampled ahead is dropped, and the source's iteration ends
+                steps.close()
+                batches.close()
             self.source.close()
             metrics.write_finishing()  # the queued step did complete, however the run ends
         if window:

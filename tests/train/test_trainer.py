@@ -71,12 +71,14 @@ def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
     return _straight(demo_cache, tmp_path_factory.mktemp("straight") / "run")
 
 
-# Where a Ctrl-C lands inside step 6: after the anchors advanced the RNG, inside the loss, and
-# between the gradient clip and the optimizer step (weights not yet updated).
+# Where the sixth call of each lands a Ctrl-C, and the step then finished and saved: the sixth
+# batch's anchors are sampled ahead, during step 5 (after its loss, before its backward: the RNG has
+# advanced for a batch not yet trained on); inside step 6's loss; between step 6's gradient clip and
+# its optimizer step (weights not yet updated).
 INTERRUPT_POINTS = {
-    "anchors": ("dflash_cache.train.trainer.sample_anchors", None),
-    "loss": ("dflash_cache.train.trainer.chunked_weighted_ce", None),
-    "optimizer": ("torch.nn.utils.clip_grad_norm_", None),
+    "anchors": ("dflash_cache.train.trainer.sample_anchors", 5),
+    "loss": ("dflash_cache.train.trainer.chunked_weighted_ce", 6),
+    "optimizer": ("torch.nn.utils.clip_grad_norm_", 6),
 }
 
 
@@ -88,7 +90,7 @@ def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, mon
 
     from dflash_cache.train.interrupt import TrainingInterrupted
 
-    target = INTERRUPT_POINTS[where][0]
+    target, saved_step = INTERRUPT_POINTS[where]
     module_name, attr = target.rsplit(".", 1)
     module = __import__(module_name, fromlist=[attr])
     real = getattr(module, attr)
@@ -97,13 +99,13 @@ def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, mon
     def interrupted(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 6:
-            signal.raise_signal(signal.SIGINT)  # the handler runs here, in the middle of step 6
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, in the middle of a step
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, attr, interrupted)
     with pytest.raises(TrainingInterrupted) as info:
         Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12), device=torch.device("cpu")).fit()
-    assert info.value.step == 6, "the step in flight is finished, then saved"
+    assert info.value.step == saved_step, "the step in flight is finished, then saved"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
     monkeypatch.setattr(module, attr, real)
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, resume=True), device=torch.device("cpu")).fit()
@@ -118,11 +120,11 @@ def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypa
     real_step = Trainer.train_step
     calls = {"n": 0}
 
-    def crashing(self, batch):
+    def crashing(self, batch, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 11:
             raise RuntimeError("simulated crash")
-        return real_step(self, batch)
+        return real_step(self, batch, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", crashing)
     with pytest.raises(RuntimeError):
@@ -240,7 +242,7 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
     run stops with one line and exit status 2 that says to pass --no-compile, not a traceback."""
     from torch._dynamo.exc import BackendCompilerFailed
 
-    def no_compiler(self, batch):
+    def no_compiler(self, batch, *args, **kwargs):
         raise BackendCompilerFailed(None, RuntimeError("Failed to find C compiler.\nPlease specify via CC"), None)
 
     monkeypatch.setattr(Trainer, "train_step", no_compiler)
@@ -294,3 +296,26 @@ def test_the_step_on_fewer_rows_is_the_step_on_every_row(demo_cache, tmp_path):
     assert torch.equal(correct_f, correct_a)
     for got, want in zip(grads_f, grads_a, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_sampling_ahead_takes_the_same_steps_and_checkpoints_the_same_rng(demo_cache, tmp_path):
+    """train_steps samples the next batch's anchors while a step is queued on the device: the same
+    anchors, hence the same losses, as one batch at a time; and between steps the anchor RNG state a
+    checkpoint would hold is the one-at-a-time run's, so a resume draws the batch ahead again."""
+    import itertools
+
+    runs = []
+    for ahead in (False, True):
+        trainer = Trainer.build(_cfg(demo_cache, tmp_path / f"ahead-{ahead}", max_steps=4), device=torch.device("cpu"))
+        batches = [b for _, b in itertools.islice(trainer.source.iterate(trainer.position, epochs=1), 4)]
+        trainer.source.close()
+        if ahead:
+            steps = ((m, trainer._rng_state()["anchors.rank0"]) for _, _, m in
+                     trainer.train_steps((None, b) for b in batches))
+        else:
+            steps = ((trainer.train_step(b), trainer._rng_state()["anchors.rank0"]) for b in batches)
+        runs.append([(float(m["loss"]), state.clone()) for m, state in steps])
+    assert len(runs[1]) == 4
+    for (loss_one, state_one), (loss_ahead, state_ahead) in zip(*runs, strict=True):
+        assert loss_ahead == loss_one
+        assert torch.equal(state_ahead, state_one)
