@@ -182,8 +182,9 @@ def run_steps(trainer: Trainer, batches, steps: int, device) -> None:
 
 def stepping(trainer: Trainer, batches, lookahead: bool = True):
     """Each batch's step, as `dflash-cache train` takes them (Trainer.train_steps: the next batch's
-    anchors sampled while a step is queued on the device), yielding the batch after its step; without
-    `lookahead`, one batch at a time (train_step samples its own anchors first), as before 2026-12-04."""
+    anchors and masks prepared while a step is queued on the device), yielding the batch after its
+    step; without `lookahead`, one batch at a time (train_step prepares its own first), as before
+    2026-12-04."""
     if lookahead:
         return (batch for _, batch, _ in trainer.train_steps((None, b) for b in batches))
     return (batch for batch in batches if trainer.train_step(batch) is not None)
@@ -270,7 +271,7 @@ def main() -> None:
                     "BLAS library (torch.backends.cuda.preferred_blas_library: cublaslt; the default is cublas)")
     ap.add_argument("--compare-no-lookahead", action="store_true",
                     help="also time the resident batches and the first cache one batch at a time: each step's "
-                         "anchors sampled at its start, not while the step before is queued on the device")
+                         "anchors and masks prepared at its start, not while the step before is queued on the device")
     ap.add_argument("--compare-full-rows", action="store_true",
                     help="also time the resident batches with the drafter on every row (the trainer runs the "
                          "first layer's projections on the distinct block rows and the last layer's output "

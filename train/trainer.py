@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,6 +60,17 @@ log = logging.getLogger(__name__)
 Source = CacheSource | LiveSource
 T = TypeVar("T")
 K = TypeVar("K")
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step takes from its batch before the drafter runs: the anchors' blocks, the context
+    (padded to the static shape when `static`) and the attention masks (Trainer.prepare_step)."""
+
+    blocks: Blocks
+    context: Context
+    masks: dict
+    static: bool
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -238,53 +249,71 @@ class Trainer:
         return rest + per_epoch * max(0, self.cfg.epochs - self.position.epoch - 1)
 
     # --- the step ------------------------------------------------------------------------
-    def sample_blocks(self, batch: PackedBatch) -> Blocks:
-        """The batch's anchors and blocks (host work when the batch carries its host layout)."""
+    def prepare_step(self, batch: PackedBatch) -> StepInputs:
+        """The batch's anchors (from the trainer's generator: host work when the batch carries its
+        host layout), whether it runs the static-shape graph, its context and its masks."""
         cfg = self.cfg
         with self.profiler.span("dflash.anchors"):
-            return sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                                  max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
-                                  generator=self.generator)
+            blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
+                                    max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
+                                    generator=self.generator)
+        static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
+        return self.step_inputs(batch, blocks, static=static, profiler=self.profiler)
+
+    def step_inputs(self, batch: PackedBatch, blocks: Blocks, *, static: bool,
+                    profiler: StageProfiler) -> StepInputs:
+        """The context (padded to the static shape when `static`) and the masks of `blocks`."""
+        stream = self._stream()
+        ctx_doc, ctx_pos = context_doc_pos(batch)
+        context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
+        if static:
+            with profiler.device_span("dflash.pad_context", stream):  # a copy of the features, not mask work
+                context = context.padded_to(self.static_shape.context_rows)
+        with profiler.device_span("dflash.create_block_mask", stream):
+            masks = build_masks(context.docs, context.positions, blocks, layer_types=self.drafter_cfg.layer_types,
+                                sliding_window=self.drafter_cfg.sliding_window, backend=self.backend,
+                                compile=self.backend == "flex")
+        return StepInputs(blocks=blocks, context=context, masks=masks, static=static)
 
     def train_steps(self, items: Iterable[tuple[K, PackedBatch]]) -> Iterator[tuple[K, PackedBatch, dict]]:
         """One step per (key, batch), yielding (key, batch, the step's metrics) after each.
 
-        While a step's forward and loss are queued on the device, the host takes the next batch and
-        samples its anchors: host work (~20-30 ms a step at the bench configuration) that the device
-        otherwise waited for at the start of the next step, its launch queue having run dry (an
-        H200's trace showed ~5 ms of idle device a step there). The anchors are drawn in the same
-        order as one batch at a time; a checkpoint between steps keeps the generator's state from
-        before the batch sampled ahead (`_anchors_rewind`), so a resume draws its anchors again.
+        While a step's forward and loss are queued on the device, the host takes the next batch,
+        samples its anchors and queues its masks (`prepare_step`): host work (~20-30 ms a step at the
+        bench configuration) and small kernels that the device otherwise waited for at the start of
+        the next step, its launch queue having run dry (an H200's trace showed ~5 ms of idle device
+        a step there). The anchors are drawn in the same order as one batch at a time; a checkpoint
+        between steps keeps the generator's state from before the batch prepared ahead
+        (`_anchors_rewind`), so a resume draws its anchors again.
         """
         items = iter(items)
 
-        def prepare() -> tuple[K, PackedBatch, Blocks, torch.Tensor] | None:
+        def prepare() -> tuple[K, PackedBatch, StepInputs, torch.Tensor] | None:
             item = next(items, None)
             if item is None:
                 return None
             before = self.generator.get_state()
-            return item[0], item[1], self.sample_blocks(item[1]), before
+            return item[0], item[1], self.prepare_step(item[1]), before
 
         upcoming = prepare()
         while upcoming is not None:
-            key, batch, blocks, _ = upcoming
+            key, batch, inputs, _ = upcoming
             ahead: list = []
-            metrics = self.train_step(batch, blocks, while_queued=lambda ahead=ahead: ahead.append(prepare()))
+            metrics = self.train_step(batch, inputs, while_queued=lambda ahead=ahead: ahead.append(prepare()))
             upcoming = ahead[0] if ahead else prepare()
             self._anchors_rewind = upcoming[3] if upcoming is not None else None
             yield key, batch, metrics
         self._anchors_rewind = None
 
-    def train_step(self, batch: PackedBatch, blocks: Blocks | None = None, *,
+    def train_step(self, batch: PackedBatch, inputs: StepInputs | None = None, *,
                    while_queued: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-        """One optimizer step on `batch` (its anchors sampled here unless given). `while_queued` runs
-        on the host once the forward and the loss are launched, before the backward."""
+        """One optimizer step on `batch` (prepared here unless `inputs` are given). `while_queued`
+        runs on the host once the forward and the loss are launched, before the backward."""
         cfg = self.cfg
-        if blocks is None:
-            blocks = self.sample_blocks(batch)
-        static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
-        self.static_steps += static
-        loss, correct = self._forward_backward(batch, blocks, static=static, net=self.net, profiler=self.profiler,
+        inputs = inputs if inputs is not None else self.prepare_step(batch)
+        blocks = inputs.blocks
+        self.static_steps += inputs.static
+        loss, correct = self._forward_backward(inputs, net=self.net, profiler=self.profiler,
                                                while_queued=while_queued)
         with self.profiler.device_span("optimizer.step", self._stream()):
             clipped_step(self.optimizer, self.params, cfg.grad_clip)
@@ -302,24 +331,14 @@ class Trainer:
         # land on whichever stage happens to wait for a free launch slot.
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _forward_backward(self, batch: PackedBatch, blocks: Blocks, *, static: bool, net: torch.nn.Module,
-                          profiler: StageProfiler, while_queued: Callable[[], None] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks, drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)]);
+    def _forward_backward(self, inputs: StepInputs, *, net: torch.nn.Module, profiler: StageProfiler,
+                          while_queued: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)]);
         `while_queued` runs between the loss and the backward (see train_steps)."""
-        dcfg, stream = self.drafter_cfg, self._stream()
-        ctx_doc, ctx_pos = context_doc_pos(batch)
-        context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
-        if static:
-            with profiler.device_span("dflash.pad_context", stream):  # a copy of the features, not mask work
-                context = context.padded_to(self.static_shape.context_rows)
-        with profiler.device_span("dflash.create_block_mask", stream):
-            masks = build_masks(context.docs, context.positions, blocks, layer_types=dcfg.layer_types,
-                                sliding_window=dcfg.sliding_window, backend=self.backend,
-                                compile=self.backend == "flex")
+        stream, blocks, context = self._stream(), inputs.blocks, inputs.context
         with profiler.device_span("drafter.forward", stream), self.precision.autocast_on(self.device):
             features = context.features if self.device.type == "cuda" else context.features.float()
-            scored = self._scored_hidden(net, features, context.positions, blocks, masks, static)
+            scored = self._scored_hidden(net, features, context.positions, blocks, inputs.masks, inputs.static)
         with profiler.device_span("dflash.chunked_loss", stream):
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
@@ -366,7 +385,8 @@ class Trainer:
         for batch in warm_up_batches(block_size=self.cfg.block_size, width=width, device=self.device):
             blocks = sample_anchors(batch, block_size=self.cfg.block_size, num_anchors=WARM_UP_ANCHORS,
                                     mask_token_id=self.drafter_cfg.mask_token_id, generator=generator)
-            self._forward_backward(batch, blocks, static=False, net=self.model, profiler=idle)
+            self._forward_backward(self.step_inputs(batch, blocks, static=False, profiler=idle), net=self.model,
+                                   profiler=idle)
         self.model.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -72,11 +72,12 @@ def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
 
 
 # Where the sixth call of each lands a Ctrl-C, and the step then finished and saved: the sixth
-# batch's anchors are sampled ahead, during step 5 (after its loss, before its backward: the RNG has
-# advanced for a batch not yet trained on); inside step 6's loss; between step 6's gradient clip and
+# batch's anchors and masks are prepared ahead, during step 5 (after its loss, before its backward:
+# the RNG has advanced for a batch not yet trained on); inside step 6's loss; between step 6's gradient clip and
 # its optimizer step (weights not yet updated).
 INTERRUPT_POINTS = {
     "anchors": ("dflash_cache.train.trainer.sample_anchors", 5),
+    "masks": ("dflash_cache.train.trainer.build_masks", 5),
     "loss": ("dflash_cache.train.trainer.chunked_weighted_ce", 6),
     "optimizer": ("torch.nn.utils.clip_grad_norm_", 6),
 }
@@ -287,8 +288,8 @@ def test_the_step_on_fewer_rows_is_the_step_on_every_row(demo_cache, tmp_path):
     for fewer in (True, False):
         trainer.fewer_rows = fewer
         trainer.model.zero_grad(set_to_none=True)
-        loss, correct = trainer._forward_backward(batch, blocks, static=False, net=trainer.model,
-                                                  profiler=StageProfiler(None))
+        inputs = trainer.step_inputs(batch, blocks, static=False, profiler=StageProfiler(None))
+        loss, correct = trainer._forward_backward(inputs, net=trainer.model, profiler=StageProfiler(None))
         runs.append((loss.detach(), correct, [p.grad.clone() for p in trainer.model.parameters()]))
     (loss_f, correct_f, grads_f), (loss_a, correct_a, grads_a) = runs
     assert blocks.num_anchors > 0
