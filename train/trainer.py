@@ -284,7 +284,10 @@ class Trainer:
         the next step, its launch queue having run dry (an H200's trace showed ~5 ms of idle device
         a step there). The anchors are drawn in the same order as one batch at a time; a checkpoint
         between steps keeps the generator's state from before the batch prepared ahead
-        (`_anchors_rewind`), so a resume draws its anchors again.
+        (`_anchors_rewind`), so a resume draws its anchors again. When the source is the slower side
+        (a live target, say), the wait for its next batch now falls before a step's backward rather
+        than after its optimizer step: the device still runs the queued forward and loss meanwhile,
+        and the rate stays the source's.
         """
         items = iter(items)
 
