@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dflash_cache.train.trainer  # noqa: E402
 from bench.common import add_common_args, bench_drafter_config, start_logging_and_device  # noqa: E402
-from bench.train import LAYER_IDS, shapes, write_cache  # noqa: E402
+from bench.train import LAYER_IDS, shapes, stepping, write_cache  # noqa: E402
 from dflash_cache.store.reader import CacheReader  # noqa: E402
 from dflash_cache.train.assemble import source_config  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
@@ -58,9 +58,10 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
         anchors, tokens = max(anchors, blocks.num_anchors), max(tokens, batch.num_tokens)
         return blocks
 
+    batches = (batch for _, batch in itertools.islice(trainer.source.iterate(Position(0, 0)), steps))
     with mock.patch("dflash_cache.train.trainer.sample_anchors", counting):  # the largest step the points reached
-        for _, batch in itertools.islice(trainer.source.iterate(Position(0, 0)), steps):
-            trainer.train_step(batch)
+        for _ in stepping(trainer, batches):  # as `train` steps: the next batch prepared during a step
+            pass
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) / GIB, anchors, tokens
