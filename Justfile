@@ -11,6 +11,12 @@ setup:
 test *args:
     python3 -m pytest tests {{args}}
 
+# One process, since xdist's workers would all compile on the one GPU at once; on a fresh machine
+# they take ~7-9 minutes, mostly compiling (`-k` picks a part).
+# The GPU tests (an NVIDIA GPU).
+test-gpu *args:
+    python3 -m pytest -n 0 tests/train/test_cuda.py tests/extract/test_cuda.py {{args}}
+
 # The two-phase job on the built-in tiny target and demo data: extract, inspect + verify, train.
 # Run it twice: the second run resumes both phases and finds nothing left to do.
 demo:
