@@ -12,7 +12,7 @@ test *args:
     python3 -m pytest tests {{args}}
 
 # One process, since xdist's workers would all compile on the one GPU at once; on a fresh machine
-# they take ~7-9 minutes, mostly compiling (`-k` picks a part).
+# they took 6-9 minutes on an H200, mostly compiling (`-k` picks a part).
 # The GPU tests (an NVIDIA GPU).
 test-gpu *args:
     python3 -m pytest -n 0 tests/train/test_cuda.py tests/extract/test_cuda.py {{args}}
