@@ -186,8 +186,11 @@ def stepping(trainer: Trainer, batches, lookahead: bool = True):
     step; without `lookahead`, one batch at a time (train_step prepares its own first), as before
     2026-12-04."""
     if lookahead:
-        return (batch for _, batch, _ in trainer.train_steps((None, b) for b in batches))
-    return (batch for batch in batches if trainer.train_step(batch) is not None)
+        yield from (batch for _, batch, _ in trainer.train_steps((None, b) for b in batches))
+        return
+    for batch in batches:
+        trainer.train_step(batch)
+        yield batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -436,10 +436,10 @@ class Trainer:
         try:
             with DeferredInterrupt() as interrupt:
                 batches = self.source.iterate(self.position, epochs=None if cfg.max_steps else cfg.epochs)
-                first = next(batches, None) if self.step < self.total_steps else None
-                t_batch = time.perf_counter()  # the first read, timed apart from the first step
-                steps = self.train_steps(itertools.islice(itertools.chain([first] if first else [], batches),
-                                                          max(0, self.total_steps - self.step)))
+                remaining = max(0, self.total_steps - self.step)
+                first = list(itertools.islice(batches, min(1, remaining)))  # the first read, timed on its own
+                t_batch = time.perf_counter()
+                steps = self.train_steps(itertools.islice(itertools.chain(first, batches), remaining))
                 while True:
                     stepped = self._explaining_compile_failures(next, steps, None)
                     if stepped is None:
@@ -478,9 +478,9 @@ class Trainer:
             raise
         finally:
             bar.close()
-            if steps is not None:  # the batch sampled ahead is dropped, and the source's iteration ends
-                steps.close()
-                batches.close()
+            for generator in (steps, batches):  # the batch prepared ahead is dropped; the source's readers stop
+                if generator is not None:
+                    generator.close()
             self.source.close()
             metrics.write_finishing()  # the queued step did complete, however the run ends
         if window:

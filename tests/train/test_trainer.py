@@ -73,8 +73,8 @@ def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
 
 # Where the sixth call of each lands a Ctrl-C, and the step then finished and saved: the sixth
 # batch's anchors and masks are prepared ahead, during step 5 (after its loss, before its backward:
-# the RNG has advanced for a batch not yet trained on); inside step 6's loss; between step 6's gradient clip and
-# its optimizer step (weights not yet updated).
+# the RNG has advanced for a batch not yet trained on); inside step 6's loss; between step 6's
+# gradient clip and its optimizer step (weights not yet updated).
 INTERRUPT_POINTS = {
     "anchors": ("dflash_cache.train.trainer.sample_anchors", 5),
     "masks": ("dflash_cache.train.trainer.build_masks", 5),
