@@ -11,6 +11,8 @@ buffers.
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +217,15 @@ def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn, disti
     return layer(x, context, rope, mask, flex_fn, distinct_rows, scored_only)
 
 
+def _own_copy(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. torch.compile keeps its graphs, and counts recompiles
+    against `recompile_limit` (8), per code object: every drafter compiled in one process (several
+    trainers, tests, a notebook) would share one count, and past it dynamo runs the layers eagerly,
+    FlexAttention then materialising the full score matrix (an 80 GiB allocation at the bench
+    configuration). With its own copy a drafter's graphs are its own, and go when it goes."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _fuse_context(fc: nn.Linear, norm: nn.Module, features: torch.Tensor) -> torch.Tensor:
     """The target features fused into the drafter's context: fc, then hidden_norm."""
     return norm(fc(features.to(fc.weight.dtype)))
@@ -260,12 +271,12 @@ class DFlashDrafter(nn.Module):
         are unchanged. Each graph compiles on the first step that needs it (about a minute, less when
         cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`).
         `options`: inductor settings for these graphs (what bench/train.py compares)."""
-        self._layer_runners = (torch.compile(_run_layer_dynamic, dynamic=True, options=options),
-                               torch.compile(_run_layer_static, dynamic=False, options=options))
+        self._layer_runners = (torch.compile(_own_copy(_run_layer_dynamic), dynamic=True, options=options),
+                               torch.compile(_own_copy(_run_layer_static), dynamic=False, options=options))
         # The norms before and after the layers too: eager, each is several float32 passes over
         # [tokens, hidden] in forward and more in backward.
-        self._edge_runners = (torch.compile(_fuse_context, dynamic=True, options=options),
-                              torch.compile(_final_norm, dynamic=True, options=options))
+        self._edge_runners = (torch.compile(_own_copy(_fuse_context), dynamic=True, options=options),
+                              torch.compile(_own_copy(_final_norm), dynamic=True, options=options))
         self.flex_attention_fn = flex_attention
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,

@@ -334,3 +334,29 @@ def test_training_rows_with_no_anchors(cfg):
                   distinct_rows=True, scored_only=True)
     assert out.shape == (0, cfg.hidden_size)
     out.sum().backward()
+
+
+def test_each_compiled_drafter_keeps_its_own_graphs(cfg, monkeypatch):
+    """torch.compile counts recompiles per code object, 8 at most; past that it runs the layers
+    eagerly (FlexAttention with a dense score matrix). Three drafters of three layers, each on a
+    static shape of its own, compile 3 x 3 layer graphs: one shared count would pass the limit."""
+    import functools
+
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # no inductor on CPU
+    three = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=3, block_size=B)
+    ctx_pos, anchor, block_pos = anchors()
+    masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for extra in range(3):  # a context longer by `extra` rows that no query sees: another static shape
+            drafter = init_drafter(three, seed=extra)
+            drafter.compile_layers()
+            features = torch.randn(T + extra, three.num_target_layers * three.hidden_size)
+            keys = torch.nn.functional.pad(masks["full_attention"], (extra, 0))  # the new rows come first
+            positions = torch.cat((torch.zeros(extra, dtype=torch.long), ctx_pos))
+            out = drafter(features, positions, torch.randn(A + 1, three.hidden_size), block_pos,
+                          {"full_attention": keys}, static=True, distinct_rows=True, scored_only=True)
+            assert out.shape == (A * (B - 1), three.hidden_size)
+    torch._dynamo.reset()
