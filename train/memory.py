@@ -5,8 +5,8 @@ two AdamW moments; on a GPU bf16 linear weights and gradients with fp32 masters,
 the frozen embedding and LM head, and the activations kept for the backward pass. Activations grow
 with the block tokens (anchors x block size: every drafter layer runs on them) and, much less, with
 the context tokens of the packed batch (each layer projects them to keys and values). The byte
-counts per token below follow the layers' saved tensors; `bench/memory.py` measures them against
-the real peak on a GPU (README, "Memory").
+counts per token below follow eager layers' saved tensors, and for compiled layers the slope of
+measured peaks; `bench/memory.py` measures both against the real peak on a GPU (README, "Memory").
 
 Anchors per batch are not bounded by the data: a batch of many short samples holds up to
 `num_anchors` per sample. So unless `--max-anchors` is given, the trainer caps them at what fits
@@ -34,10 +34,20 @@ CPU_USABLE_FRACTION = 0.6  # of the host's available memory (reader buffers and 
 # ones are fp32 everywhere (residual stream, norms). Counted from DFlashLayer's saved tensors.
 QUERY_LOW = (6, 4, 0)       # tensors of width (H, I, KV): q/o/MLP inputs, q, attention out; gate, up, silu, product
 QUERY_FP32 = (10, 0, 0)     # residual, norms' inputs and outputs, q norm and rope
+# Compiled layers (the GPU default) keep fewer: inductor recomputes the norms' outputs, RoPE and the
+# MLP's gate in the backward rather than saving them. Not counted tensor by tensor but measured: the
+# slope of bench/memory.py's peaks was 762 KB per block token for its Qwen3-8B-shaped drafter (NVIDIA
+# H200, 2026-12-04), against 784 KB from these units (1,584 KB from the eager ones).
+COMPILED_QUERY_LOW = (4, 2, 0)
+COMPILED_QUERY_FP32 = (4, 0, 0)
 CONTEXT_LOW = (1, 0, 4)     # the context's k/v projection input, k, v, k rope
 CONTEXT_FP32 = (1, 0, 6)    # the fused context row, k norm and rope
 LOSS_FP32_PER_QUERY = 4     # x H: final norm output and its gradient (the LM head's dtype: bf16 on a GPU, counted as fp32)
-FEATURE_BYTES = 2           # the batch's bf16 features, N x H per context token
+FEATURE_BYTES = 2           # bf16 features, N x H per context token
+# Copies of a batch's features alive during a step: the batch's own and its copy padded to the static
+# shape, and the same two of the next batch, prepared while the step's backward is queued
+# (Trainer.train_steps).
+FEATURE_COPIES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +67,9 @@ class StepMemory:
         return max(0, room // (self.per_query * block_size))
 
 
-def step_memory(cfg: DrafterConfig, device: torch.device) -> StepMemory:
-    """The memory model of one training step of this drafter on this kind of device."""
+def step_memory(cfg: DrafterConfig, device: torch.device, *, compiled: bool = False) -> StepMemory:
+    """The memory model of one training step of this drafter on this kind of device, with its layers
+    compiled (`DFlashDrafter.compile_layers`) or eager."""
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     low = 2 if device.type == "cuda" else 4
 
@@ -70,9 +81,10 @@ def step_memory(cfg: DrafterConfig, device: torch.device) -> StepMemory:
     params = cfg.num_target_layers * h * h + 2 * h + cfg.num_layers * (
         h * cfg.num_attention_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim)
     head = 2 * cfg.vocab_size * h * low  # embedding and LM head, frozen
-    per_query = cfg.num_layers * per_token(QUERY_LOW, QUERY_FP32) + LOSS_FP32_PER_QUERY * h * 4
-    per_context = cfg.num_layers * per_token(CONTEXT_LOW, CONTEXT_FP32) + cfg.num_target_layers * h * FEATURE_BYTES \
-        + 3 * h * 4  # fc output and hidden_norm
+    query_units = (COMPILED_QUERY_LOW, COMPILED_QUERY_FP32) if compiled else (QUERY_LOW, QUERY_FP32)
+    per_query = cfg.num_layers * per_token(*query_units) + LOSS_FP32_PER_QUERY * h * 4
+    features = FEATURE_COPIES * cfg.num_target_layers * h * FEATURE_BYTES
+    per_context = cfg.num_layers * per_token(CONTEXT_LOW, CONTEXT_FP32) + features + 3 * h * 4  # + fc, hidden_norm
     return StepMemory(fixed=16 * params + head, per_query=per_query, per_context=per_context)
 
 
@@ -96,13 +108,13 @@ def available_bytes(device: torch.device) -> int:
 
 
 def fit_max_anchors(cfg: DrafterConfig, device: torch.device, *, context_tokens: int,
-                    max_anchors: int | None, available: int | None = None) -> int:
+                    max_anchors: int | None, available: int | None = None, compiled: bool = False) -> int:
     """The anchors-per-batch cap to train with: `max_anchors` if given and it fits, else the most that fits.
 
     `context_tokens` is the largest packed batch the source can form (the token budget, or a longer
     single sample). A UserError names the number that would fit when the setting cannot.
     """
-    model = step_memory(cfg, device)
+    model = step_memory(cfg, device, compiled=compiled)
     room = available_bytes(device) if available is None else available
     fits = model.max_anchors(room, cfg.block_size, context_tokens)
     where = f"{room / GIB:.1f} GiB usable on {device.type}"

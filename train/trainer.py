@@ -104,9 +104,11 @@ class Trainer:
         self.precision = precision or Precision.for_device(device)
         self.out = Path(cfg.out)
         self.source, self.drafter_cfg = source, drafter_cfg
+        self.compiled = cfg.compile and device.type == "cuda"
         # Before the drafter is allocated: the free memory it is measured against still includes it.
         self.max_anchors = fit_max_anchors(drafter_cfg, device, max_anchors=cfg.max_anchors,
-                                           context_tokens=max(cfg.token_budget, source.longest_sample()))
+                                           context_tokens=max(cfg.token_budget, source.longest_sample()),
+                                           compiled=self.compiled)
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.head = head.to(device=device, dtype=head_dtype)
         self.model: DFlashDrafter = init_drafter(self.drafter_cfg, cfg.seed).to(device)
@@ -136,7 +138,6 @@ class Trainer:
         # (train_steps): what a checkpoint holds, so that a resume draws them again.
         self._anchors_rewind: torch.Tensor | None = None
         self.backend = "flex" if device.type == "cuda" else "dense"
-        self.compiled = cfg.compile and device.type == "cuda"
         # The shape compiled layers run static-shape kernels for (None: every step is dynamic).
         self.static_shape = StaticShape.for_run(largest_batch=max(cfg.token_budget, source.longest_sample())) \
             if self.compiled else None

@@ -27,6 +27,9 @@ def test_the_model_grows_with_block_and_context_tokens():
     assert 16 * 1.0e9 < m.fixed < 22e9, "fp32 weights, grads and two moments of ~1.05B parameters, plus the head"
     assert m.bytes(2048, 16, 12288) > m.bytes(1024, 16, 12288) > m.bytes(1024, 16, 4096)
     assert step_memory(QWEN3_8B, torch.device("cpu")).per_query > m.per_query, "fp32 activations on a CPU"
+    compiled = step_memory(QWEN3_8B, CUDA, compiled=True)
+    assert compiled.per_query < m.per_query, "compiled layers recompute what eager ones save"
+    assert 762 * 1024 < compiled.per_query, "at least the slope bench/memory.py measured (2026-12-04)"
 
 
 def test_default_cap_fits_an_80_gb_gpu_and_an_explicit_excess_is_refused_with_what_fits():
