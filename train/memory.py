@@ -34,10 +34,11 @@ CPU_USABLE_FRACTION = 0.6  # of the host's available memory (reader buffers and 
 # ones are fp32 everywhere (residual stream, norms). Counted from DFlashLayer's saved tensors.
 QUERY_LOW = (6, 4, 0)       # tensors of width (H, I, KV): q/o/MLP inputs, q, attention out; gate, up, silu, product
 QUERY_FP32 = (10, 0, 0)     # residual, norms' inputs and outputs, q norm and rope
-# Compiled layers (the GPU default) keep fewer: inductor recomputes the norms' outputs, RoPE and the
-# MLP's gate in the backward rather than saving them. Not counted tensor by tensor but measured: the
-# slope of bench/memory.py's peaks was 762 KB per block token for its Qwen3-8B-shaped drafter (NVIDIA
-# H200, 2026-12-04), against 784 KB from these units (1,584 KB from the eager ones).
+# Compiled layers (the GPU default) keep fewer: the compiler may recompute cheap element-wise outputs
+# (norms, RoPE, the MLP's activation) in the backward rather than save them. What it saves is its
+# choice, so these units are not counted tensor by tensor but fitted: the slope of bench/memory.py's
+# peaks was 762 KB per block token for its Qwen3-8B-shaped drafter (NVIDIA H200, 2026-12-04),
+# against 784 KB from these units (1,584 KB from the eager ones).
 COMPILED_QUERY_LOW = (4, 2, 0)
 COMPILED_QUERY_FP32 = (4, 0, 0)
 CONTEXT_LOW = (1, 0, 4)     # the context's k/v projection input, k, v, k rope
