@@ -349,14 +349,16 @@ def test_each_compiled_drafter_keeps_its_own_graphs(cfg, monkeypatch):
     ctx_pos, anchor, block_pos = anchors()
     masks = {"full_attention": dense_mask(mask_mod_for(anchor))}
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        for extra in range(3):  # a context longer by `extra` rows that no query sees: another static shape
-            drafter = init_drafter(three, seed=extra)
-            drafter.compile_layers()
-            features = torch.randn(T + extra, three.num_target_layers * three.hidden_size)
-            keys = torch.nn.functional.pad(masks["full_attention"], (extra, 0))  # the new rows come first
-            positions = torch.cat((torch.zeros(extra, dtype=torch.long), ctx_pos))
-            out = drafter(features, positions, torch.randn(A + 1, three.hidden_size), block_pos,
-                          {"full_attention": keys}, static=True, distinct_rows=True, scored_only=True)
-            assert out.shape == (A * (B - 1), three.hidden_size)
-    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for extra in range(3):  # a context longer by `extra` rows that no query sees: another static shape
+                drafter = init_drafter(three, seed=extra)
+                drafter.compile_layers()
+                features = torch.randn(T + extra, three.num_target_layers * three.hidden_size)
+                keys = torch.nn.functional.pad(masks["full_attention"], (extra, 0))  # the new rows come first
+                positions = torch.cat((torch.zeros(extra, dtype=torch.long), ctx_pos))
+                out = drafter(features, positions, torch.randn(A + 1, three.hidden_size), block_pos,
+                              {"full_attention": keys}, static=True, distinct_rows=True, scored_only=True)
+                assert out.shape == (A * (B - 1), three.hidden_size)
+    finally:
+        torch._dynamo.reset()  # this worker's later tests start with no graphs of these drafters
