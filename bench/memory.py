@@ -1,6 +1,7 @@
 """Phase-2 memory benchmark: the step-memory model (train/memory.py) against the measured peak.
 
-A Qwen3-8B-shaped drafter (as in bench/train.py) trains a few steps on batches of ~3072-token
+A Qwen3-8B-shaped drafter (as in bench/train.py; `--drafter qwen3.5-27b` for the production target
+family's width, heads and vocabulary) trains a few steps on batches of ~3072-token
 sequences from a synthetic fp8 cache, for several (token budget, anchors per batch) points. For each
 it prints the peak GPU memory allocated, the model's prediction and their ratio. Then it emulates
 an 80 GB GPU (torch.cuda.set_per_process_memory_fraction) and trains with the plain defaults
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dflash_cache.train.trainer  # noqa: E402
 from bench.common import add_common_args, bench_drafter_config, start_logging_and_device  # noqa: E402
-from bench.train import LAYER_IDS, shapes, stepping, write_cache  # noqa: E402
+from bench.train import LAYER_IDS, add_drafter_arg, shapes, stepping, write_cache  # noqa: E402
 from dflash_cache.store.reader import CacheReader  # noqa: E402
 from dflash_cache.train.assemble import source_config  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
@@ -75,10 +76,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per point (the first compiles)")
     ap.add_argument("--emulate-gib", type=float, default=80.0, help="GPU size the defaults run is limited to")
     ap.add_argument("--skip-points", action="store_true", help="only the defaults run")
+    add_drafter_arg(ap)
     add_common_args(ap, "/tmp/dflash-bench-memory")
     args = ap.parse_args()
     device = start_logging_and_device()
-    s = shapes(args.small)
+    s = shapes(args.small, args.drafter)
     out = Path(args.out)
     block = 8 if args.small else 16
     drafter_cfg = bench_drafter_config(hidden=s["hidden"], inter=s["inter"], heads=s["heads"], kv=s["kv"],
@@ -126,7 +128,8 @@ def main() -> None:
         print(f"| {r['token_budget']} | {r['anchors']} | {r['context_tokens']} | {r['peak_gib']:.1f} | "
               f"{r['predicted_gib']:.1f} | {ratio} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"points": rows, "defaults": defaults}, indent=1))
+        Path(args.json).write_text(json.dumps({"drafter": "small" if args.small else args.drafter, "points": rows, "defaults": defaults},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -89,10 +89,24 @@ def prescaled_flex_attention(q, k, v, **kwargs):
 ATTENTION_FNS = {"flash": flash_flex_attention, "prescale": prescaled_flex_attention}
 
 
-def shapes(small: bool) -> dict:
-    if small:
-        return dict(hidden=128, inter=384, heads=4, kv=2, head_dim=32, vocab=2048, seq=256, layers=2)
-    return dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, seq=3072, layers=5)
+# The drafters the benchmarks train: 5 layers as wide as the target, with its heads and vocabulary
+# (DrafterConfig.from_target), on 3,072-token sequences. qwen3-8b is the configuration the public
+# DFlash trainers were compared on; qwen3.5-27b is the width, heads (head_dim 256) and vocabulary of
+# the production target family.
+DRAFTER_SHAPES = {
+    "qwen3-8b": dict(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, seq=3072, layers=5),
+    "qwen3.5-27b": dict(hidden=5120, inter=17408, heads=24, kv=4, head_dim=256, vocab=248320, seq=3072, layers=5),
+}
+SMALL_SHAPES = dict(hidden=128, inter=384, heads=4, kv=2, head_dim=32, vocab=2048, seq=256, layers=2)
+
+
+def shapes(small: bool, drafter: str = "qwen3-8b") -> dict:
+    return SMALL_SHAPES if small else DRAFTER_SHAPES[drafter]
+
+
+def add_drafter_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--drafter", choices=sorted(DRAFTER_SHAPES), default="qwen3-8b",
+                    help="the drafter's shape (--small replaces it with a tiny one)")
 
 
 def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, vocab: int, device,
@@ -248,6 +262,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
+    add_drafter_arg(ap)
     ap.add_argument("--min-seq", type=int, default=None,
                     help="sequence lengths uniform in [MIN_SEQ, the bench length] instead of all equal: batches "
                          "of varying shapes, as training sees (compiled kernels are then dynamic-shape ones)")
@@ -306,7 +321,7 @@ def main() -> None:
         # and whose settings bench/attention.py found none better than the default.
         inductor_config.max_autotune_gemm = True
         inductor_config.max_autotune_pointwise = True
-    s = shapes(args.small)
+    s = shapes(args.small, args.drafter)
     out = Path(args.out)
     codecs = args.codecs.split(",")
 
@@ -351,7 +366,8 @@ def main() -> None:
           f"{every_row_flops.total / 1e12:.1f} T on every row); peak {(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}", flush=True)
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "steps": args.steps, "token_budget": args.token_budget, "compiled": trainer.compiled,
+                     "drafter": "small" if args.small else args.drafter, "steps": args.steps,
+                     "token_budget": args.token_budget, "compiled": trainer.compiled,
                      "max_autotune": args.max_autotune, "compile_options": args.compile_options,
                      "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
                      "step_tflops": flops.total / 1e12, "step_tflops_every_row": every_row_flops.total / 1e12,
