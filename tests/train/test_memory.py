@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -19,6 +20,9 @@ from dflash_cache.train.memory import (
 
 QWEN3_8B = bench_drafter_config(hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, layers=5,
                                 block=16, layer_ids=(1, 9, 17, 25, 33))
+# Qwen3.5-27B's width, heads and vocabulary: its queries (24 x 256) are wider than its hidden size.
+QWEN3_5_27B = bench_drafter_config(hidden=5120, inter=17408, heads=24, kv=4, head_dim=256, vocab=248320, layers=5,
+                                   block=16, layer_ids=(1, 9, 17, 25, 33))
 CUDA = torch.device("cuda")
 
 
@@ -29,7 +33,17 @@ def test_the_model_grows_with_block_and_context_tokens():
     assert step_memory(QWEN3_8B, torch.device("cpu")).per_query > m.per_query, "fp32 activations on a CPU"
     compiled = step_memory(QWEN3_8B, CUDA, compiled=True)
     assert compiled.per_query < m.per_query, "compiled layers recompute what eager ones save"
-    assert 762 * 1024 < compiled.per_query, "at least the slope bench/memory.py measured (2026-12-04)"
+    assert 763 * 1024 < compiled.per_query, "at least the slope bench/memory.py measured (2026-12-04)"
+
+
+def test_query_side_tensors_are_counted_at_the_query_width():
+    """bench/memory.py measured 1,035 KiB per block token for the Qwen3.5-27B-shaped drafter's compiled
+    layers (NVIDIA H200, 2026-12-04); counting its q and attention outputs at the hidden size gave 1,020."""
+    compiled = step_memory(QWEN3_5_27B, CUDA, compiled=True)
+    assert 1035 * 1024 < compiled.per_query
+    for c in (True, False):
+        narrow = dataclasses.replace(QWEN3_5_27B, num_attention_heads=20)  # 20 x 256 = the hidden size
+        assert step_memory(narrow, CUDA, compiled=c).per_query < step_memory(QWEN3_5_27B, CUDA, compiled=c).per_query
 
 
 def test_default_cap_fits_an_80_gb_gpu_and_an_explicit_excess_is_refused_with_what_fits():
