@@ -56,6 +56,9 @@ class Blocks:
     # Sum of anchor_pos: the context keys a block's queries attend, summed over blocks (FLOP
     # accounting); counted when sampling on the host, None when sampled on the device (a sync).
     prefix_keys: int | None = None
+    # Anchors the documents offered (up to num_anchors each) before `max_anchors` kept a subset: how
+    # much the memory cap takes from what --num-anchors asks for.
+    offered: int | None = None
 
     @property
     def num_anchors(self) -> int:
@@ -127,7 +130,8 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(C, device=device) - starts[doc_sorted]
     kept = order[rank < num_anchors]
-    if max_anchors is not None and kept.shape[0] > max_anchors:
+    offered = int(kept.shape[0])
+    if max_anchors is not None and offered > max_anchors:
         pick = torch.randperm(int(kept.shape[0]), generator=generator, device=generator.device)[:max_anchors]
         kept = kept[pick.to(device)]
     token_index = cand_idx[torch.sort(kept).values]                                # sorted by (doc, pos)
@@ -149,7 +153,7 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
 
     return Blocks(token_index=token_index, doc=anchor_doc, anchor_pos=anchor_pos, input_ids=input_ids,
                   position_ids=position_ids, labels=labels, weights=weights, block_size=B,
-                  prefix_keys=int(anchor_pos.sum()) if device.type == "cpu" else None)
+                  prefix_keys=int(anchor_pos.sum()) if device.type == "cpu" else None, offered=offered)
 
 
 __all__ = ["DEFAULT_NUM_ANCHORS", "Blocks", "default_gamma", "sample_anchors"]

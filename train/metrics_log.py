@@ -65,8 +65,8 @@ class MetricsLog:
     def queue(self, window: list[dict[str, torch.Tensor]], tokens: int, stop_requested: bool,
               row: dict[str, Any]) -> None:
         """Average the window's step metrics ("loss", "acc" [B - 1]) and start their copy to the host.
-        `row` holds the host-side fields (step, epoch, lr, tokens_seen). A row still queued is
-        written first."""
+        `row` holds the host-side fields (step, epoch, lr, tokens_seen; any others are written as
+        they are). A row still queued is written first."""
         self.write()
         dev = window[0]["loss"].device
         # The flag by a fill, not a tensor from a list: that copies from pageable memory, which waits
@@ -99,6 +99,7 @@ class MetricsLog:
         row = {"step": q.row["step"], "epoch": q.row["epoch"], "loss": loss, "lr": q.row["lr"],
                "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
                "tokens_per_s": q.tokens / max(seconds, 1e-9), "tokens_seen": q.row["tokens_seen"]}
+        row |= {k: v for k, v in q.row.items() if k not in row}  # the trainer's other fields (anchors_kept)
         if self.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -57,6 +57,8 @@ from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticShape, warm_up_batches
 
 log = logging.getLogger(__name__)
+# Below this share of the anchors the batches offer, the run says once that the anchor cap binds.
+ANCHORS_KEPT_WARNING = 0.9
 Source = CacheSource | LiveSource
 T = TypeVar("T")
 K = TypeVar("K")
@@ -137,6 +139,9 @@ class Trainer:
         # The generator's state before the anchors of a batch sampled ahead but not yet trained on
         # (train_steps): what a checkpoint holds, so that a resume draws them again.
         self._anchors_rewind: torch.Tensor | None = None
+        # Anchors kept and offered over the steps since the last metrics row (`_window_fields`).
+        self._anchors_kept = self._anchors_offered = 0
+        self._warned_anchor_cap = False
         self.backend = "flex" if device.type == "cuda" else "dense"
         # The shape compiled layers run static-shape kernels for (None: every step is dynamic).
         self.static_shape = StaticShape.for_run(largest_batch=max(cfg.token_budget, source.longest_sample())) \
@@ -317,6 +322,9 @@ class Trainer:
         inputs = inputs if inputs is not None else self.prepare_step(batch)
         blocks = inputs.blocks
         self.static_steps += inputs.static
+        if blocks.offered is not None:
+            self._anchors_kept += blocks.num_anchors
+            self._anchors_offered += blocks.offered
         loss, correct = self._forward_backward(inputs, net=self.net, profiler=self.profiler,
                                                while_queued=while_queued)
         with self.profiler.device_span("optimizer.step", self._stream()):
@@ -463,7 +471,7 @@ class Trainer:
                     if metrics.last is not shown:
                         bar.set_postfix(loss=f"{metrics.last['loss']:.3f}", tau=f"{metrics.last['tau_hat']:.2f}")
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        metrics.queue(window, tok_window, interrupt.requested, self._row_fields())
+                        metrics.queue(window, tok_window, interrupt.requested, self._window_fields())
                         window, tok_window = [], 0
                     if stop:
                         path = self.save()
@@ -485,7 +493,7 @@ class Trainer:
             self.source.close()
             metrics.write_finishing()  # the queued step did complete, however the run ends
         if window:
-            metrics.queue(window, tok_window, False, self._row_fields())
+            metrics.queue(window, tok_window, False, self._window_fields())
         metrics.write()
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         if self.static_shape is not None:
@@ -507,10 +515,24 @@ class Trainer:
         log.info("start-up: %s%sfirst batch %.1fs, first step %.1fs (compilation included)", build, warm,
                  t_batch - t_start, now - t_batch)
 
-    def _row_fields(self) -> dict[str, Any]:
-        """A metrics row's fields the host knows at the log step (MetricsLog adds the device's)."""
-        return {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
-                "tokens_seen": self.tokens_seen}
+    def _window_fields(self) -> dict[str, Any]:
+        """A metrics row's fields the host knows at the log step (MetricsLog adds the device's).
+        `anchors_kept`: the share of the anchors this rank's batches offered since the last row
+        that the anchor cap kept; the count starts again."""
+        fields = {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
+                  "tokens_seen": self.tokens_seen}
+        kept, offered = self._anchors_kept, self._anchors_offered
+        self._anchors_kept = self._anchors_offered = 0
+        if offered:
+            fields["anchors_kept"] = round(kept / offered, 4)
+            if kept < ANCHORS_KEPT_WARNING * offered and not self._warned_anchor_cap:
+                self._warned_anchor_cap = True
+                cap = (f"--max-anchors {self.max_anchors}" if self.cfg.max_anchors is not None
+                       else f"the cap of {self.max_anchors} anchors per batch that fits this device's memory")
+                log.warning("%s kept %.0f%% of the anchors the batches offered (--num-anchors %d per sample): "
+                            "each sample trains on fewer blocks; a smaller --token-budget keeps more of each "
+                            "sample's", cap, 100 * kept / offered, self.cfg.num_anchors)
+        return fields
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -134,6 +134,7 @@ def test_max_anchors_keeps_a_random_subset_of_the_per_document_draw():
     capped = sample_anchors(batch, block_size=4, num_anchors=40, mask_token_id=MASK,
                             generator=torch.Generator().manual_seed(1), max_anchors=25)
     assert full.num_anchors > 25 and capped.num_anchors == 25
+    assert capped.offered == full.offered == full.num_anchors, "what the documents offered, before the cap"
     assert set(capped.token_index.tolist()) <= set(full.token_index.tolist())
     assert torch.equal(capped.token_index, capped.token_index.sort().values)
     loose = sample_anchors(batch, block_size=4, num_anchors=40, mask_token_id=MASK,

@@ -58,6 +58,22 @@ def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
     assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
+def test_metrics_rows_say_what_share_of_the_anchors_the_cap_kept(demo_cache, tmp_path, caplog):
+    """A cap that binds is visible: each row's `anchors_kept`, and one warning naming the cap."""
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
+        Trainer.build(_cfg(demo_cache, tmp_path / "capped", max_steps=4, log_every=2, max_anchors=8), device=cpu).fit()
+    kept = [r["anchors_kept"] for r in _rows(tmp_path / "capped")]
+    assert len(kept) == 2 and all(0 < k < 0.9 for k in kept), kept
+    warnings = [r.getMessage() for r in caplog.records if "anchors the batches offered" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("--max-anchors 8 kept"), warnings
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
+        Trainer.build(_cfg(demo_cache, tmp_path / "free", max_steps=2, log_every=2), device=cpu).fit()
+    assert [r["anchors_kept"] for r in _rows(tmp_path / "free")] == [1.0]
+    assert not [r for r in caplog.records if "anchors the batches offered" in r.getMessage()]
+
+
 def _straight(demo_cache: Path, out: Path, **kw) -> list[tuple]:
     import torch
 
