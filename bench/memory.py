@@ -128,8 +128,8 @@ def main() -> None:
         print(f"| {r['token_budget']} | {r['anchors']} | {r['context_tokens']} | {r['peak_gib']:.1f} | "
               f"{r['predicted_gib']:.1f} | {ratio} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"drafter": "small" if args.small else args.drafter, "points": rows, "defaults": defaults},
-                                              indent=1))
+        drafter = "small" if args.small else args.drafter
+        Path(args.json).write_text(json.dumps({"drafter": drafter, "points": rows, "defaults": defaults}, indent=1))
 
 
 if __name__ == "__main__":

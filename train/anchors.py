@@ -132,7 +132,7 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
     kept = order[rank < num_anchors]
     offered = int(kept.shape[0])
     if max_anchors is not None and offered > max_anchors:
-        pick = torch.randperm(int(kept.shape[0]), generator=generator, device=generator.device)[:max_anchors]
+        pick = torch.randperm(offered, generator=generator, device=generator.device)[:max_anchors]
         kept = kept[pick.to(device)]
     token_index = cand_idx[torch.sort(kept).values]                                # sorted by (doc, pos)
 

@@ -34,19 +34,19 @@ CPU_USABLE_FRACTION = 0.6  # of the host's available memory (reader buffers and 
 # against H = 5,120 for Qwen3.5-27B's head_dim 256). "low" tensors are bf16 on a GPU (autocast) and
 # fp32 on a CPU; "fp32" ones are fp32 everywhere (residual stream, norms). Counted from DFlashLayer's
 # saved tensors.
-QUERY_LOW = (4, 4, 0, 2)       # q and MLP inputs, o input, MLP product; gate, up, silu, product; q, attention out
-QUERY_FP32 = (8, 0, 0, 2)      # residual, norms' inputs and outputs; q norm and rope
+QUERY_LOW = (4, 4, 0, 2)    # q/o/MLP inputs, q, attention out (the last two Q wide); gate, up, silu, product
+QUERY_FP32 = (8, 0, 0, 2)   # residual, norms' inputs and outputs; q norm and rope (Q wide)
 # Compiled layers (the GPU default) keep fewer: the compiler may recompute cheap element-wise outputs
 # (norms, RoPE, the MLP's activation) in the backward rather than save them. What it saves is its
 # choice, so these units are not counted tensor by tensor but fitted to the slope of bench/memory.py's
 # peaks (NVIDIA H200, 2026-12-04): 763 KiB per block token for its Qwen3-8B-shaped drafter (these units
 # give 784), 1,035 KiB for the Qwen3.5-27B-shaped one (1,080; 1,020, too few, when every query-side
-# tensor was counted H wide). Which tensors are Q wide is a reading of what FlexAttention's backward needs (q
-# and its output) that fits both slopes, not a count.
+# tensor was counted H wide). Which tensors are Q wide is a reading of what FlexAttention's backward
+# needs (q and its output) that fits both slopes, not a count.
 COMPILED_QUERY_LOW = (2, 2, 0, 2)
 COMPILED_QUERY_FP32 = (2, 0, 0, 2)
-CONTEXT_LOW = (1, 0, 4, 0)     # the context's k/v projection input, k, v, k rope
-CONTEXT_FP32 = (1, 0, 6, 0)    # the fused context row, k norm and rope
+CONTEXT_LOW = (1, 0, 4, 0)  # the context's k/v projection input, k, v, k rope
+CONTEXT_FP32 = (1, 0, 6, 0)  # the fused context row, k norm and rope
 LOSS_FP32_PER_QUERY = 4     # x H: final norm output and its gradient (the LM head's dtype: bf16 on a GPU, counted as fp32)
 FEATURE_BYTES = 2           # bf16 features, N x H per context token
 # Copies of a batch's features alive during a step: the batch's own and its copy padded to the static
