@@ -178,36 +178,41 @@ class RankExtractor:
         submitted = 0
         bar_lock = threading.Lock()
 
-        def done(fut: Future, n_tokens: int) -> None:
+        def done(fut: Future, n_tokens: int, pending: tuple | None) -> None:
             in_flight.release()
-            if not fut.cancelled() and fut.exception() is None:
+            if fut.cancelled():
+                if pending is not None:  # a dropped write's pinned buffer goes back to the pool
+                    self._slots.release(pending[1])
+            elif fut.exception() is None:
                 with bar_lock:
                     bar.update(n_tokens)
 
+        pool = ThreadPoolExecutor(self.writers, thread_name_prefix="dflash-writer")
         try:
-            with ThreadPoolExecutor(self.writers, thread_name_prefix="dflash-writer") as pool:
-                for host in reader:
-                    if not self.writes:
-                        self.capture(*host.forward.to(self.device))
-                        continue
-                    self._raise_first_error(futures)
-                    job = self._forward(host)
-                    in_flight.acquire()
-                    fut = pool.submit(self._write, host, *job)
-                    fut.add_done_callback(lambda f, n=host.planned.num_tokens: done(f, n))
-                    futures.append(fut)
-                    submitted += 1
-                    self.profiler.add_tokens(host.planned.num_tokens)
-                    self.profiler.maybe_report()
-                t_drain = time.perf_counter()
-                for fut in futures:
-                    fut.result()
+            for host in reader:
+                if not self.writes:
+                    self.capture(*host.forward.to(self.device))
+                    continue
+                self._raise_first_error(futures)
+                job = self._forward(host)
+                in_flight.acquire()
+                fut = pool.submit(self._write, host, *job)
+                fut.add_done_callback(lambda f, n=host.planned.num_tokens, p=job[1]: done(f, n, p))
+                futures.append(fut)
+                submitted += 1
+                self.profiler.add_tokens(host.planned.num_tokens)
+                self.profiler.maybe_report()
+            t_drain = time.perf_counter()
+            for fut in futures:
+                fut.result()
         except OSError as e:
             raise disk_error(self.root, e) from None
         finally:
             reader.close()
-            for fut in futures:
-                fut.cancel()
+            # On a stop (Ctrl-C) or an error the segments still queued are dropped, and the ones
+            # being written finish: committed whole, so a rerun resumes after them. (Shutting the
+            # pool down after the loop, as a `with` block does, wrote every queued one first.)
+            pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
         self.profiler.maybe_report(force=True)
         end = time.perf_counter()
