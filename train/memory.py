@@ -85,7 +85,7 @@ def step_memory(cfg: DrafterConfig, device: torch.device, *, compiled: bool = Fa
             sum(u * d * 4 for u, d in zip(fp32_units, dims, strict=True))
 
     params = cfg.num_target_layers * h * h + 2 * h + cfg.num_layers * (
-        h * cfg.num_attention_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim)
+        2 * h * q + 2 * h * kv + 3 * h * i + 2 * h + 2 * cfg.head_dim)
     head = 2 * cfg.vocab_size * h * low  # embedding and LM head, frozen
     query_units = (COMPILED_QUERY_LOW, COMPILED_QUERY_FP32) if compiled else (QUERY_LOW, QUERY_FP32)
     per_query = cfg.num_layers * per_token(*query_units) + LOSS_FP32_PER_QUERY * h * 4

@@ -518,14 +518,15 @@ class Trainer:
     def _window_fields(self) -> dict[str, Any]:
         """A metrics row's fields the host knows at the log step (MetricsLog adds the device's).
         `anchors_kept`: the share of the anchors this rank's batches offered since the last row
-        that the anchor cap kept; the count starts again."""
+        that the anchor cap kept; the count starts again. Rank 0 writes the row and says when the
+        cap binds, once."""
         fields = {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
                   "tokens_seen": self.tokens_seen}
         kept, offered = self._anchors_kept, self._anchors_offered
         self._anchors_kept = self._anchors_offered = 0
         if offered:
             fields["anchors_kept"] = round(kept / offered, 4)
-            if kept < ANCHORS_KEPT_WARNING * offered and not self._warned_anchor_cap:
+            if kept < ANCHORS_KEPT_WARNING * offered and self.rank == 0 and not self._warned_anchor_cap:
                 self._warned_anchor_cap = True
                 cap = (f"--max-anchors {self.max_anchors}" if self.cfg.max_anchors is not None
                        else f"the cap of {self.max_anchors} anchors per batch that fits this device's memory")
