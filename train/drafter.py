@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_cache.train.attention_kernels import static_flex_attention
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.masks import DocumentMasks, document_keys
 from dflash_cache.train.remote_code.dflash import (
@@ -242,6 +243,8 @@ class DFlashDrafter(nn.Module):
 
     `flex_attention_fn` is what BlockMask layers call: `default_flex_attention` (compiled on GPU,
     eager on CPU, where FlexAttention is forward-only); assign another callable to override it.
+    Once `compile_layers` ran, the static-shape graph calls `static_flex_attention_fn` instead
+    (`dflash_cache.train.attention_kernels`).
     """
 
     def __init__(self, cfg: DrafterConfig) -> None:
@@ -254,6 +257,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.flex_attention_fn = default_flex_attention
+        self.static_flex_attention_fn = default_flex_attention
         self._layer_runners: tuple | None = None  # (dynamic, static) compiled, once compile_layers ran
         self._edge_runners: tuple = (_fuse_context, _final_norm)  # compiled by compile_layers
 
@@ -263,14 +267,16 @@ class DFlashDrafter(nn.Module):
         bf16 linear weights: dflash_cache.train.precision)."""
         return self.norm.weight.dtype
 
-    def compile_layers(self, options: dict | None = None) -> None:
+    def compile_layers(self, options: dict | None = None, attention_kernels: str = "triton") -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
         into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
         Two graphs: one for the run's static shape (`forward(static=True)`, see
         `dflash_cache.train.static_shapes`) and one for any other shape. Weights and state-dict keys
         are unchanged. Each graph compiles on the first step that needs it (about a minute, less when
         cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`).
-        `options`: inductor settings for these graphs (what bench/train.py compares)."""
+        `options`: inductor settings for these graphs (what bench/train.py compares).
+        `attention_kernels`: 'triton' or 'flash', what FlexAttention lowers to in the static-shape
+        graph (`dflash_cache.train.attention_kernels`; the dynamic one always runs Triton's)."""
         self._layer_runners = (torch.compile(_own_copy(_run_layer_dynamic), dynamic=True, options=options),
                                torch.compile(_own_copy(_run_layer_static), dynamic=False, options=options))
         # The norms before and after the layers too: eager, each is several float32 passes over
@@ -278,6 +284,7 @@ class DFlashDrafter(nn.Module):
         self._edge_runners = (torch.compile(_own_copy(_fuse_context), dynamic=True, options=options),
                               torch.compile(_own_copy(_final_norm), dynamic=True, options=options))
         self.flex_attention_fn = flex_attention
+        self.static_flex_attention_fn = static_flex_attention(attention_kernels)
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
                 block_positions: torch.Tensor, masks: dict, static: bool = False, *, distinct_rows: bool = False,
@@ -297,14 +304,16 @@ class DFlashDrafter(nn.Module):
         context = fuse_context(self.fc, self.hidden_norm, features)
         x = block_embeds.to(dtype)
         rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
+        compiled_static = static and self._layer_runners is not None
         run = self._layer_runners[static] if self._layer_runners is not None else _run_layer_dynamic
+        flex_fn = self.static_flex_attention_fn if compiled_static else self.flex_attention_fn
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             try:
                 mask = masks[layer.layer_type]
             except KeyError:
                 raise KeyError(f"no mask for layer type {layer.layer_type!r}; got {sorted(masks)}") from None
-            x = run(layer, x, context, rope, mask, self.flex_attention_fn, distinct_rows and i == 0,
+            x = run(layer, x, context, rope, mask, flex_fn, distinct_rows and i == 0,
                     scored_only and i == last)
         return final_norm(self.norm, x, out_dtype)
 

@@ -16,6 +16,7 @@ from dflash_cache.options import check_options, option
 from dflash_cache.profiler import INTERVAL_HELP
 from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.plan import DEFAULT_MAX_ROWS, DEFAULT_TOKEN_BUDGET
+from dflash_cache.train.attention_kernels import ATTENTION_KERNELS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +88,11 @@ class TrainConfig:
     progress: bool = option(True, help="Hide the progress bar.")
     compile: bool = option(True, help="On GPUs, run the drafter layers and the loss eagerly instead of compiled "
                                       "(torch.compile: a minute more at start, faster steps).")
+    attention_kernels: str = option("auto", choices=ATTENTION_KERNELS,
+                                    help="What FlexAttention runs on in the compiled static-shape graph: flash "
+                                         "(flash-attention 4's kernels, pip install 'dflash-cache[flash]'; Hopper "
+                                         "and Blackwell GPUs, heads of 128; faster, not bitwise reproducible), "
+                                         "triton (inductor's; deterministic), auto (flash where it can run).")
     # The DFlash recipe's constants, and what defaults from the target (the mask token: an unused row).
     warmup_ratio: float = option(0.04, min=0, max=1, cli=False)
     weight_decay: float = option(0.0, min=0, cli=False)

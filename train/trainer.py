@@ -28,6 +28,7 @@ from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.train.anchors import Blocks, sample_anchors
+from dflash_cache.train.attention_kernels import choose_attention_kernels
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.checkpoint import (
     TrainerState,
@@ -151,9 +152,13 @@ class Trainer:
         # plain torch, so that no Triton build is needed at all.
         self.loss_kernel = "triton" if self.compiled else "torch"
         self.fewer_rows = True  # see _scored_hidden
+        # What FlexAttention runs on in the static-shape graph (resolved: 'triton' or 'flash').
+        self.attention_kernels = choose_attention_kernels(
+            cfg.attention_kernels, device, compiled=self.compiled, low_precision=self.precision.autocast,
+            head_dim=drafter_cfg.head_dim)
         if self.compiled:
             keep_compiled_kernels_in(self.out)
-            self.model.compile_layers()
+            self.model.compile_layers(attention_kernels=self.attention_kernels)
         self.profiler.peak_flops = device_peak_flops(device)
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
         self._metrics: MetricsLog | None = None  # fit's; save() writes its queued row first
@@ -161,6 +166,9 @@ class Trainer:
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
                  per_epoch, self.total_steps)
+        if self.compiled:
+            log.info("attention: %s kernels in the static-shape graph, Triton's in the dynamic one",
+                     "flash-attention 4's" if self.attention_kernels == "flash" else "Triton's")
 
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:
@@ -410,8 +418,10 @@ class Trainer:
         try:
             return fn(*args)
         except torch._dynamo.exc.BackendCompilerFailed as e:
+            way_out = "--attention-kernels triton or --no-compile" if self.attention_kernels == "flash" \
+                else "--no-compile"
             raise UserError(f"torch.compile could not build the drafter's kernels here ({compile_failure(e)}); "
-                            "run again with --no-compile (and --resume to continue from the "
+                            f"run again with {way_out} (and --resume to continue from the "
                             "last checkpoint)") from e
 
     def fit(self) -> dict[str, float]:

@@ -136,6 +136,55 @@ def test_compiled_layers_match_eager(autocast, static):
                                                        dict(rtol=1e-3, atol=1e-5)))
 
 
+def _flash_reason() -> str | None:
+    from dflash_cache.train.attention_kernels import flash_unavailable
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    return flash_unavailable(torch.device("cuda"), compiled=True, low_precision=True)
+
+
+@pytest.mark.skipif(_flash_reason() is not None, reason=f"flash kernels: {_flash_reason()}")
+def test_flash_attention_kernels_follow_triton_in_the_static_graph():
+    """--attention-kernels flash changes the static graph's attention kernels, not the computation:
+    output and every gradient match the Triton template's under bf16 autocast, at the heads of the
+    bench drafters (128) with a sliding-window layer; and the graph does call flash-attention 4."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import Qwen3Config
+
+    dev = torch.device("cuda")
+    target = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192)
+    cfg = DrafterConfig.from_target(target, (1, 3, 5), num_layers=3, block_size=16, sliding_window=256,
+                                    layer_types=TYPES)
+    batch = make_batch([900, 300, 1200], seed=5, p_sup=0.9).to(dev)
+    blocks = sample_anchors(batch, block_size=16, num_anchors=48, mask_token_id=cfg.mask_token_id,
+                            generator=torch.Generator().manual_seed(5))
+    doc, pos = context_doc_pos(batch)
+    g = torch.Generator().manual_seed(6)
+    args = (torch.randn(batch.num_tokens, 3 * cfg.hidden_size, generator=g).to(dev), pos,
+            torch.randn(blocks.num_anchors * 16, cfg.hidden_size, generator=g).to(dev),
+            blocks.position_ids.reshape(-1),
+            build_masks(doc, pos, blocks, layer_types=TYPES, sliding_window=256, backend="flex", compile=True))
+    outs, grads, code = [], [], {}
+    for kernels in ("triton", "flash"):
+        drafter = init_drafter(cfg, seed=0).to(dev)
+        drafter.compile_layers(attention_kernels=kernels)
+
+        def step(drafter=drafter):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = drafter(*args, static=True)
+            out.float().square().mean().backward()
+            return out
+
+        out, code[kernels] = run_and_get_code(step)
+        outs.append(out.detach().float())
+        grads.append(torch.cat([p.grad.flatten() for p in drafter.parameters()]))
+    assert any("flash_attn" in c for c in code["flash"]) and not any("flash_attn" in c for c in code["triton"])
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grads[1], grads[0], rtol=5e-2, atol=1e-3)
+
+
 @needs_cuda
 def test_compiled_layers_compile_once_for_changing_shapes():
     """Batches differ in context length and anchor count: after the first two shapes (the second
