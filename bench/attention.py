@@ -6,8 +6,8 @@ mask built by the trainer's own code. Each setting compiles its own flex_attenti
 milliseconds per call and TFLOP/s over the pairs the mask admits (what `train.flops` counts).
 "general mask_mod" runs the same blocks with the general rule (`_mask_mod`, eight int64 lookups
 per pair, what the trainer evaluated before) in place of the trainer's `key_range_mask_mod`.
-"ranges ..." run `bench/range_attention.py`'s kernels instead, after printing how far their output
-and gradients are from FlexAttention's on the same inputs.
+"ranges ..." run `bench/range_attention.py`'s kernels instead. Every setting but the default first
+prints how far its output and gradients are from the default kernels' on the same inputs.
 `--small` runs a shrunken case on a CPU (eager, forward only) to check the script.
 """
 
@@ -140,9 +140,9 @@ def check_against_flex(name: str, forward, inputs, grad_out, q, k, v, mask, devi
     ref = fn(*ref_in, block_mask=mask, enable_gqa=True)
     theirs = [ref[0].detach()]
     if cuda:
-        ref.backward(grad_out[None])
+        ref.backward(grad_out.reshape(ref.shape))
         theirs += [x.grad[0] for x in ref_in]
-    diffs = [f"{n} {((a.float() - b.float()).abs().max() / b.float().abs().max()).item():.2e}"
+    diffs = [f"{n} {((a.float().reshape(b.shape) - b.float()).abs().max() / b.float().abs().max()).item():.2e}"
              for n, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs, strict=False)]
     print(f"{name}: max |difference| / max |FlexAttention|: {', '.join(diffs)}", flush=True)
 
@@ -193,6 +193,11 @@ def main() -> None:
             forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
                                         kernel_options=options or None)
             grad_out = torch.randn_like(q)  # random, not the ones of .sum(): the kernel reads it like any gradient
+            if options and device.type == "cuda":  # other kernels, other roundings: how far from the default's
+                try:
+                    check_against_flex(name, forward, (qg, kg, vg), grad_out, q, k, v, masks[""], device)
+                except Exception as e:  # reported with the timing below
+                    print(f"{name}: check failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
         try:
             f_clocks, fb_clocks = ClockSampler(device), ClockSampler(device)
             f = timed(forward, device, args.reps, during=f_clocks)

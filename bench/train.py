@@ -59,6 +59,7 @@ from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
 from dflash_cache.store.writer import commit_segment  # noqa: E402
 from dflash_cache.train.anchors import sample_anchors  # noqa: E402
 from dflash_cache.train.assemble import source_config  # noqa: E402
+from dflash_cache.train.attention_kernels import flash_flex_attention  # noqa: E402
 from dflash_cache.train.cache_source import CacheSource  # noqa: E402
 from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
 from dflash_cache.train.epoch_plan import Position  # noqa: E402
@@ -73,20 +74,15 @@ from dflash_cache.train.trainer import Trainer  # noqa: E402
 LAYER_IDS = (1, 9, 17, 25, 33)
 
 
-def flash_flex_attention(q, k, v, **kwargs):
-    """FlexAttention lowered to flash-attention 4's CuTe kernels (torch's BACKEND="FLASH") instead of
-    inductor's Triton template: static shapes only (torch 2.11 refuses it in the dynamic-shape graph),
-    and it needs the flash-attn-4 package."""
-    return flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"}, **kwargs)
-
-
 def prescaled_flex_attention(q, k, v, **kwargs):
     """FlexAttention whose kernels scale q by the softmax scale (and the change of base to 2) once as
     they load it, instead of every score: fewer multiplies, other roundings."""
     return flex_attention(q, k, v, kernel_options={"PRESCALE_QK": True}, **kwargs)
 
 
-ATTENTION_FNS = {"flash": flash_flex_attention, "prescale": prescaled_flex_attention}
+# What the static-shape graph's attention can be switched to, side by side with the trainer's choice
+# (`--attention-kernels`, auto by default: flash-attention 4's kernels when installed).
+ATTENTION_FNS = {"flash": flash_flex_attention, "triton": flex_attention, "prescale": prescaled_flex_attention}
 
 
 # The drafters the benchmarks train: 5 layers as wide as the target, with its heads and vocabulary
@@ -279,9 +275,10 @@ def main() -> None:
                          "names from dflash_cache.train.loss.LOSS_KERNELS, or one-read: bench/one_read_loss.py; the "
                          "trainer's is triton)")
     ap.add_argument("--attention-kernels", default="",
-                    help="also time the resident batches with FlexAttention lowered another way: 'flash' "
-                         "(flash-attention 4's kernels, torch's BACKEND='FLASH'; needs the flash-attn-4 package), "
-                         "'prescale' (PRESCALE_QK)")
+                    help="also time the resident batches with the static graph's FlexAttention lowered another "
+                         "way: 'triton' (inductor's template), 'flash' (flash-attention 4's kernels; needs the "
+                         "flash-attn-4 package), 'prescale' (Triton's with PRESCALE_QK). The default is the "
+                         "trainer's (train --attention-kernels auto)")
     ap.add_argument("--compile-options", default="",
                     help="also time the resident batches through layers compiled with these inductor settings "
                          "(comma-separated NAME=VALUE, VALUE a Python literal, e.g. prologue_fusion=False)")
@@ -363,11 +360,12 @@ def main() -> None:
                                       max_anchors=trainer.max_anchors, fewer_rows=False)
     print(f"model FLOPs per step, mean of the timed batches: {flops.total / 1e12:.1f} T (linears "
           f"{flops.linears / 1e12:.1f}, attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}; "
-          f"{every_row_flops.total / 1e12:.1f} T on every row); peak {(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}", flush=True)
+          f"{every_row_flops.total / 1e12:.1f} T on every row); peak {(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}; attention kernels: {trainer.attention_kernels}", flush=True)
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "drafter": "small" if args.small else args.drafter, "steps": args.steps,
                      "token_budget": args.token_budget, "compiled": trainer.compiled,
+                     "attention_kernels": trainer.attention_kernels,
                      "max_autotune": args.max_autotune, "compile_options": args.compile_options,
                      "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
                      "step_tflops": flops.total / 1e12, "step_tflops_every_row": every_row_flops.total / 1e12,
@@ -387,7 +385,7 @@ def main() -> None:
 
         LOSS_KERNELS["one-read"] = lambda: logits_loss_and_grad_one_read
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
-    default_attention = trainer.model.flex_attention_fn
+    default_attention = trainer.model.static_flex_attention_fn
     model = trainer.model
     runners = {"default": (model._layer_runners, model._edge_runners)}
     option_runs = {}
@@ -414,7 +412,7 @@ def main() -> None:
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
-            trainer.model.flex_attention_fn = attention_runs.get(name, default_attention)
+            trainer.model.static_flex_attention_fn = attention_runs.get(name, default_attention)
             model._layer_runners, model._edge_runners = option_runs.get(name, runners["default"])
             trainer.fewer_rows = row_runs.get(name, True)
             switched = set_precision(trainer, precision_runs.get(name, default_precision))
