@@ -429,7 +429,8 @@ class Trainer:
 
         A SIGINT/SIGTERM stops the run at the next step boundary (every step with one process, at the
         next logging step with several, where the ranks agree on it) with a checkpoint, raising
-        `TrainingInterrupted`; `--resume` then continues bit for bit.
+        `TrainingInterrupted`; `--resume` then continues bit for bit (with flash attention kernels, up
+        to their atomic adds' rounding: dflash_cache.train.attention_kernels).
         """
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
