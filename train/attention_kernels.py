@@ -14,13 +14,13 @@ FLASH with symbolic sizes.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_cache.errors import UserError
+from dflash_cache.errors import UserError, one_line
 
 ATTENTION_KERNELS = ("auto", "triton", "flash")
 # Compute capabilities flash-attention 4's FlexAttention kernels are built for: Hopper, Blackwell.
@@ -39,8 +39,6 @@ def flash_unavailable(device: torch.device, *, compiled: bool, low_precision: bo
                       head_dim: int = FLASH_HEAD_DIMS[0]) -> str | None:
     """Why the flash kernels cannot run here, or None when they can (`low_precision`: the layers
     run under bf16 autocast; the kernels take bf16 or fp16 only)."""
-    if head_dim not in FLASH_HEAD_DIMS:
-        return f"they run at heads of {', '.join(map(str, FLASH_HEAD_DIMS))} here, not {head_dim}"
     if device.type != "cuda":
         return f"they need an NVIDIA GPU, not {device.type}"
     if not compiled:
@@ -50,12 +48,16 @@ def flash_unavailable(device: torch.device, *, compiled: bool, low_precision: bo
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FLASH_MAJORS:
         return f"they are built for Hopper and Blackwell GPUs, not compute capability {major}.{minor}"
-    try:
-        found = importlib.util.find_spec("flash_attn.cute") is not None
-    except ImportError:  # no flash_attn at all (find_spec imports the parent package)
-        found = False
-    if not found:
-        return f"the {FLASH_PACKAGE} package is not installed (pip install 'dflash-cache[flash]')"
+    if head_dim not in FLASH_HEAD_DIMS:
+        return f"they run at heads of {', '.join(map(str, FLASH_HEAD_DIMS))} here, not {head_dim}"
+    try:  # imported, not only looked up: an install that cannot import (a missing dependency) is named
+        importlib.import_module("flash_attn.cute")
+    except ModuleNotFoundError as e:
+        if e.name in ("flash_attn", "flash_attn.cute"):
+            return f"the {FLASH_PACKAGE} package is not installed (pip install 'dflash-cache[flash]')"
+        return f"flash_attn.cute does not import ({type(e).__name__}: {one_line(e)})"
+    except Exception as e:  # whatever a broken install raises: its reason, not a traceback
+        return f"flash_attn.cute does not import ({type(e).__name__}: {one_line(e)})"
     return None
 
 

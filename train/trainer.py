@@ -28,7 +28,7 @@ from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.train.anchors import Blocks, sample_anchors
-from dflash_cache.train.attention_kernels import choose_attention_kernels
+from dflash_cache.train.attention_kernels import choose_attention_kernels, flash_unavailable
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.checkpoint import (
     TrainerState,
@@ -166,9 +166,12 @@ class Trainer:
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
                  per_epoch, self.total_steps)
-        if self.compiled:
-            log.info("attention: %s kernels in the static-shape graph, Triton's in the dynamic one",
-                     "flash-attention 4's" if self.attention_kernels == "flash" else "Triton's")
+        if self.attention_kernels == "flash":
+            log.info("attention: flash-attention 4's kernels in the static-shape graph, Triton's in the dynamic one")
+        elif self.compiled and cfg.attention_kernels == "auto":
+            reason = flash_unavailable(device, compiled=True, low_precision=self.precision.autocast,
+                                       head_dim=drafter_cfg.head_dim)
+            log.info("attention: Triton's kernels (flash-attention 4's do not run here: %s)", reason)
 
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:

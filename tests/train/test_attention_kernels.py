@@ -5,7 +5,8 @@ tests/train/test_cuda.py."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import types
 
 import pytest
 import torch
@@ -22,14 +23,26 @@ from dflash_cache.train.drafter import init_drafter
 CUDA = torch.device("cuda")
 
 
+def importing(monkeypatch, flash_attn_cute) -> None:
+    """importlib.import_module("flash_attn.cute") returns `flash_attn_cute`, or raises it."""
+    real = importlib.import_module
+
+    def import_module(name, *a):
+        if name != "flash_attn.cute":
+            return real(name, *a)
+        if isinstance(flash_attn_cute, BaseException):
+            raise flash_attn_cute
+        return flash_attn_cute
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+
+
 @pytest.fixture
 def hopper_with_flash(monkeypatch):
     """A CUDA device of compute capability 9.0 with flash_attn.cute importable, as far as the
     checks can tell (no GPU is touched)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn.cute" else real(name, *a))
+    importing(monkeypatch, types.ModuleType("flash_attn.cute"))
 
 
 def _choose(requested, device=CUDA, compiled=True, low_precision=True, head_dim=128):
@@ -58,19 +71,24 @@ def test_auto_falls_back_to_triton_and_an_explicit_flash_says_why(hopper_with_fl
     assert "use --attention-kernels triton" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_other_gpus_and_a_missing_package_are_named(monkeypatch, hopper_with_flash):
+def test_other_gpus_and_a_missing_or_broken_package_are_named(monkeypatch, hopper_with_flash):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "compute capability 8.0" in ak.flash_unavailable(CUDA, compiled=True, low_precision=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert ak.flash_unavailable(CUDA, compiled=True, low_precision=True) is None
 
-    def no_flash_attn(name, *a):
-        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
-
-    monkeypatch.setattr(importlib.util, "find_spec", no_flash_attn)
+    importing(monkeypatch, ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn"))
     reason = ak.flash_unavailable(CUDA, compiled=True, low_precision=True)
     assert "flash-attn-4" in reason and "dflash-cache[flash]" in reason
     assert _choose("auto") == "triton"
+    # installed without what it imports (what a wheel-by-wheel install once gave): named, and no traceback
+    importing(monkeypatch, ModuleNotFoundError("No module named 'cutlass.cute'", name="cutlass.cute"))
+    reason = ak.flash_unavailable(CUDA, compiled=True, low_precision=True)
+    assert reason == "flash_attn.cute does not import (ModuleNotFoundError: No module named 'cutlass.cute')"
+    assert _choose("auto") == "triton"
+    importing(monkeypatch, OSError("libcute_dsl_runtime.so: cannot open shared object file"))
+    with pytest.raises(UserError, match="does not import \\(OSError: libcute_dsl_runtime.so"):
+        _choose("flash")
 
 
 def test_unknown_kernels_are_refused():
