@@ -62,16 +62,17 @@ def flash_unavailable(device: torch.device, *, compiled: bool, low_precision: bo
 
 
 def choose_attention_kernels(requested: str, device: torch.device, *, compiled: bool, low_precision: bool,
-                             head_dim: int) -> str:
-    """`requested` (one of ATTENTION_KERNELS) resolved to 'triton' or 'flash' for this run."""
+                             head_dim: int) -> tuple[str, str | None]:
+    """`requested` (one of ATTENTION_KERNELS) resolved to 'triton' or 'flash' for this run, with why
+    flash does not run here (None when it does, or when 'triton' was asked for: nothing checked)."""
     if requested not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernels must be one of {ATTENTION_KERNELS}, got {requested!r}")
     if requested == "triton":
-        return "triton"
+        return "triton", None
     reason = flash_unavailable(device, compiled=compiled, low_precision=low_precision, head_dim=head_dim)
     if requested == "flash" and reason is not None:
         raise UserError(f"--attention-kernels flash cannot run here: {reason}; use --attention-kernels triton")
-    return "flash" if reason is None else "triton"
+    return ("flash" if reason is None else "triton"), reason
 
 
 def static_flex_attention(kernels: str) -> Callable:

@@ -28,7 +28,7 @@ from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.train.anchors import Blocks, sample_anchors
-from dflash_cache.train.attention_kernels import choose_attention_kernels, flash_unavailable
+from dflash_cache.train.attention_kernels import choose_attention_kernels
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.checkpoint import (
     TrainerState,
@@ -153,7 +153,7 @@ class Trainer:
         self.loss_kernel = "triton" if self.compiled else "torch"
         self.fewer_rows = True  # see _scored_hidden
         # What FlexAttention runs on in the static-shape graph (resolved: 'triton' or 'flash').
-        self.attention_kernels = choose_attention_kernels(
+        self.attention_kernels, why_not_flash = choose_attention_kernels(
             cfg.attention_kernels, device, compiled=self.compiled, low_precision=self.precision.autocast,
             head_dim=drafter_cfg.head_dim)
         if self.compiled:
@@ -168,10 +168,8 @@ class Trainer:
                  per_epoch, self.total_steps)
         if self.attention_kernels == "flash":
             log.info("attention: flash-attention 4's kernels in the static-shape graph, Triton's in the dynamic one")
-        elif self.compiled and cfg.attention_kernels == "auto":
-            reason = flash_unavailable(device, compiled=True, low_precision=self.precision.autocast,
-                                       head_dim=drafter_cfg.head_dim)
-            log.info("attention: Triton's kernels (flash-attention 4's do not run here: %s)", reason)
+        elif self.compiled and why_not_flash is not None:
+            log.info("attention: Triton's kernels (flash-attention 4's do not run here: %s)", why_not_flash)
 
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:

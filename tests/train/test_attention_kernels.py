@@ -46,8 +46,13 @@ def hopper_with_flash(monkeypatch):
 
 
 def _choose(requested, device=CUDA, compiled=True, low_precision=True, head_dim=128):
-    return ak.choose_attention_kernels(requested, device, compiled=compiled, low_precision=low_precision,
-                                       head_dim=head_dim)
+    """The resolved kernels; the reason that comes with them is checked against flash_unavailable's."""
+    kernels, reason = ak.choose_attention_kernels(requested, device, compiled=compiled,
+                                                  low_precision=low_precision, head_dim=head_dim)
+    if requested != "triton":
+        assert reason == ak.flash_unavailable(device, compiled=compiled, low_precision=low_precision,
+                                              head_dim=head_dim)
+    return kernels
 
 
 def test_auto_takes_flash_where_it_runs(hopper_with_flash):

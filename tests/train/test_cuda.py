@@ -137,6 +137,7 @@ def test_compiled_layers_match_eager(autocast, static):
 
 
 def _flash_reason() -> str | None:
+    """Why flash-attention 4's kernels cannot run on this machine (None: they can)."""
     from dflash_cache.train.attention_kernels import flash_unavailable
 
     if not torch.cuda.is_available():
@@ -144,7 +145,10 @@ def _flash_reason() -> str | None:
     return flash_unavailable(torch.device("cuda"), compiled=True, low_precision=True)
 
 
-@pytest.mark.skipif(_flash_reason() is not None, reason=f"flash kernels: {_flash_reason()}")
+FLASH_REASON = _flash_reason()  # once, at collection
+
+
+@pytest.mark.skipif(FLASH_REASON is not None, reason=f"flash kernels: {FLASH_REASON}")
 def test_flash_attention_kernels_follow_triton_in_the_static_graph():
     """--attention-kernels flash changes the static graph's attention kernels, not the computation:
     output and every gradient match the Triton template's under bf16 autocast, at the heads of the
