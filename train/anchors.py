@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from dflash_cache.store.batch import IGNORE_INDEX, PackedBatch, positions_from_cu_seqlens
@@ -60,9 +61,41 @@ class Blocks:
     # much the memory cap takes from what --num-anchors asks for.
     offered: int | None = None
 
+    # Blocks appended by `padded_to` (the last ones): they see only themselves and weigh 0 in the loss.
+    padding: int = 0
+
     @property
     def num_anchors(self) -> int:
+        """Blocks, the padding included: what the drafter runs on."""
         return int(self.token_index.shape[0])
+
+    @property
+    def real_anchors(self) -> int:
+        """Blocks of sampled anchors (the padding left out): what the model learns from."""
+        return self.num_anchors - self.padding
+
+    def padded_to(self, anchors: int, *, pad_document: int, mask_token_id: int) -> Blocks:
+        """These blocks and `anchors - A` more that attend to nothing but themselves: document
+        `pad_document` (no context row's but padding's), anchor position 0 (nothing before it),
+        token 0 (an empty key range in `dflash_cache.train.masks`), mask tokens as inputs, label -100
+        and weight 0. A static shape's step pads its anchors so (`dflash_cache.train.static_shapes`)."""
+        extra = anchors - self.num_anchors
+        if extra < 0:
+            raise ValueError(f"cannot pad {self.num_anchors} blocks to {anchors}")
+        if extra == 0:
+            return self
+        B, device = self.block_size, self.token_index.device
+
+        def more(x: torch.Tensor, value: float | int, rows: tuple[int, ...] = ()) -> torch.Tensor:
+            return torch.cat((x, torch.full((extra, *rows), value, dtype=x.dtype, device=device)))
+
+        offs = torch.arange(B, device=device, dtype=self.position_ids.dtype)
+        position_ids = torch.cat((self.position_ids, offs[None].expand(extra, B)))
+        return Blocks(token_index=more(self.token_index, 0), doc=more(self.doc, pad_document),
+                      anchor_pos=more(self.anchor_pos, 0), input_ids=more(self.input_ids, mask_token_id, (B,)),
+                      position_ids=position_ids, labels=more(self.labels, IGNORE_INDEX, (B,)),
+                      weights=more(self.weights, 0.0, (B,)), block_size=B, prefix_keys=self.prefix_keys,
+                      offered=self.offered, padding=self.padding + extra)
 
     def to(self, device: torch.device) -> Blocks:
         """Host blocks copied to `device` from pinned memory without blocking the host (a no-op when
@@ -74,6 +107,16 @@ class Blocks:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.pin_memory().to(device, non_blocking=True)
         return Blocks(**moved)
+
+
+def anchors_at_most(lengths: np.ndarray, supervised: np.ndarray, *, block_size: int, num_anchors: int) -> np.ndarray:
+    """Per sample, the most anchors `sample_anchors` can draw from it, knowing only its length and
+    supervised tokens (an index's columns): a candidate and the token after it are supervised, so a
+    run of s supervised tokens holds at most s - 1, and the block must fit, at most L - B + 1; none
+    below 2B supervised tokens. (An answer that ends its document offers s - B + 1.)"""
+    lengths, supervised = np.asarray(lengths, dtype=np.int64), np.asarray(supervised, dtype=np.int64)
+    most = np.minimum(supervised - 1, lengths - block_size + 1).clip(min=0)
+    return np.where(supervised >= 2 * block_size, np.minimum(most, num_anchors), 0)
 
 
 def sample_anchors(batch: PackedBatch, *, block_size: int, num_anchors: int = DEFAULT_NUM_ANCHORS,
@@ -156,4 +199,4 @@ def _sample(ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tens
                   prefix_keys=int(anchor_pos.sum()) if device.type == "cpu" else None, offered=offered)
 
 
-__all__ = ["DEFAULT_NUM_ANCHORS", "Blocks", "default_gamma", "sample_anchors"]
+__all__ = ["DEFAULT_NUM_ANCHORS", "Blocks", "anchors_at_most", "default_gamma", "sample_anchors"]

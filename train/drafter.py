@@ -205,17 +205,20 @@ def scored_rows(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.view(a, block_size, x.shape[-1])[:, 1:].reshape(a * (block_size - 1), x.shape[-1])
 
 
-def _run_layer_dynamic(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_rows: bool,
-                       scored_only: bool) -> torch.Tensor:
+def _run_layer(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_rows: bool,
+               scored_only: bool) -> torch.Tensor:
+    """One layer's call, the function `compile_layers` compiles (a copy of it per graph: `_own_copy`)."""
     return layer(x, context, rope, mask, flex_fn, distinct_rows, scored_only)
 
 
-def _run_layer_static(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_rows: bool,
-                      scored_only: bool) -> torch.Tensor:
-    """The same call as `_run_layer_dynamic`, a separate function on purpose: torch.compile keeps
-    its graphs per code object, so the static-shape graph and the dynamic one never serve each
-    other's calls."""
-    return layer(x, context, rope, mask, flex_fn, distinct_rows, scored_only)
+def dynamic_shape_options() -> dict:
+    """Inductor settings for the dynamic-shape graphs: torch 2.10-2.11's mix-order reduction (the
+    RMSNorm backward's row and column sums in one kernel) sizes its workspace inconsistently under
+    symbolic sizes, and the drafter's backward failed with `shape '[N, 128]' is invalid` on mixed
+    lengths (bench/repro_dynamic_shapes.py). Static-shape graphs keep it."""
+    import torch._inductor.config as inductor_config
+
+    return {"triton.mix_order_reduction": False} if hasattr(inductor_config.triton, "mix_order_reduction") else {}
 
 
 def _own_copy(fn: Callable) -> Callable:
@@ -243,8 +246,8 @@ class DFlashDrafter(nn.Module):
 
     `flex_attention_fn` is what BlockMask layers call: `default_flex_attention` (compiled on GPU,
     eager on CPU, where FlexAttention is forward-only); assign another callable to override it.
-    Once `compile_layers` ran, the static-shape graph calls `static_flex_attention_fn` instead
-    (`dflash_cache.train.attention_kernels`).
+    Once `compile_layers` ran, the dynamic-shape graph calls `flex_attention_fn` and the static-shape
+    graphs `static_flex_attention_fn` (`dflash_cache.train.attention_kernels`).
     """
 
     def __init__(self, cfg: DrafterConfig) -> None:
@@ -258,8 +261,10 @@ class DFlashDrafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.flex_attention_fn = default_flex_attention
         self.static_flex_attention_fn = default_flex_attention
-        self._layer_runners: tuple | None = None  # (dynamic, static) compiled, once compile_layers ran
-        self._edge_runners: tuple = (_fuse_context, _final_norm)  # compiled by compile_layers
+        # compile_layers' graphs: (layer, fuse-context, final-norm) for any shape, and per static shape.
+        self._dynamic_runners: tuple | None = None
+        self._static_runners: dict[tuple[int, int], tuple] = {}
+        self._compile_options: dict = {}
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -270,28 +275,49 @@ class DFlashDrafter(nn.Module):
     def compile_layers(self, options: dict | None = None, attention_kernels: str = "triton") -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
         into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
-        Two graphs: one for the run's static shape (`forward(static=True)`, see
-        `dflash_cache.train.static_shapes`) and one for any other shape. Weights and state-dict keys
-        are unchanged. Each graph compiles on the first step that needs it (about a minute, less when
-        cached); with several ranks the trainer compiles the dynamic one first (`Trainer.warm_up`).
+        A graph per static shape (`forward(static=True)`, see `dflash_cache.train.static_shapes`),
+        each built on the first call of that shape (its own code objects: `_own_copy`), and one
+        dynamic-shape graph for any shape (`static=False`). Weights and state-dict keys are unchanged.
         `options`: inductor settings for these graphs (what bench/train.py compares).
         `attention_kernels`: 'triton' or 'flash', what FlexAttention lowers to in the static-shape
-        graph (`dflash_cache.train.attention_kernels`; the dynamic one always runs Triton's)."""
-        self._layer_runners = (torch.compile(_own_copy(_run_layer_dynamic), dynamic=True, options=options),
-                               torch.compile(_own_copy(_run_layer_static), dynamic=False, options=options))
-        # The norms before and after the layers too: eager, each is several float32 passes over
-        # [tokens, hidden] in forward and more in backward.
-        self._edge_runners = (torch.compile(_own_copy(_fuse_context), dynamic=True, options=options),
-                              torch.compile(_own_copy(_final_norm), dynamic=True, options=options))
+        graphs (`dflash_cache.train.attention_kernels`; the dynamic one always runs Triton's)."""
+        self._compile_options = dict(options or {})
+        dynamic = {**self._compile_options, **dynamic_shape_options()}
+        self._dynamic_runners = tuple(torch.compile(_own_copy(fn), dynamic=True, options=dynamic)
+                                      for fn in (_run_layer, _fuse_context, _final_norm))
+        self._static_runners = {}
         self.flex_attention_fn = flex_attention
         self.static_flex_attention_fn = static_flex_attention(attention_kernels)
 
+    @property
+    def compiled(self) -> bool:
+        return self._dynamic_runners is not None
+
+    def _runners(self, static: bool, eager: bool, shape: tuple[int, int]) -> tuple[tuple, Callable]:
+        """(layer, fuse-context and final-norm functions, FlexAttention) for a call: plain ones
+        when eager or never compiled, else the dynamic graph's or the static shape's own."""
+        if not self.compiled:
+            return (_run_layer, _fuse_context, _final_norm), self.flex_attention_fn
+        if eager:
+            return (_run_layer, _fuse_context, _final_norm), default_flex_attention
+        if not static:
+            return self._dynamic_runners, self.flex_attention_fn
+        runners = self._static_runners.get(shape)
+        if runners is None:
+            runners = self._static_runners[shape] = tuple(
+                torch.compile(_own_copy(fn), dynamic=False, options=self._compile_options)
+                for fn in (_run_layer, _fuse_context, _final_norm))
+        return runners, self.static_flex_attention_fn
+
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,
-                block_positions: torch.Tensor, masks: dict, static: bool = False, *, distinct_rows: bool = False,
-                scored_only: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                block_positions: torch.Tensor, masks: dict, static: bool = False, *, eager: bool = False,
+                distinct_rows: bool = False, scored_only: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """features [T, N*H], ctx_positions [T], block_embeds [Q, H], block_positions [Q],
         masks {layer type: DocumentMasks, dense bool [1, 1, Q, T+Q] or BlockMask} -> [Q, H] after the
-        final norm. `static`: the shapes are the run's static shape (compiled layers only).
+        final norm. With compiled layers: `static` runs the graphs built for exactly these sizes,
+        otherwise the dynamic-shape graph; `eager` runs the layers uncompiled (a static shape whose
+        compiled step failed: dflash_cache.train.static_shapes.ShapeRecord).
 
         What training asks for, the same computation on fewer rows: `distinct_rows`, block_embeds
         is [A + 1, H], each block's anchor embedding then the mask token's (`expand_blocks`);
@@ -300,13 +326,11 @@ class DFlashDrafter(nn.Module):
         final norm's kernel rather than by a pass of its own; the gradient comes back in it too.
         """
         dtype = self.residual_dtype
-        fuse_context, final_norm = self._edge_runners
+        (run, fuse_context, final_norm), flex_fn = self._runners(
+            static, eager, (int(features.shape[0]), int(block_positions.shape[0])))
         context = fuse_context(self.fc, self.hidden_norm, features)
         x = block_embeds.to(dtype)
         rope = self.rotary(torch.cat((ctx_positions, block_positions)), dtype)
-        compiled_static = static and self._layer_runners is not None
-        run = self._layer_runners[static] if self._layer_runners is not None else _run_layer_dynamic
-        flex_fn = self.static_flex_attention_fn if compiled_static else self.flex_attention_fn
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             try:

@@ -88,6 +88,9 @@ class TrainConfig:
     progress: bool = option(True, help="Hide the progress bar.")
     compile: bool = option(True, help="On GPUs, run the drafter layers and the loss eagerly instead of compiled "
                                       "(torch.compile: a minute more at start, faster steps).")
+    static_shapes: int = option(4, min=1, help="On GPUs, the anchor counts the compiled step is built for, chosen "
+                                               "from the run's batches at start-up; each batch is padded up to the "
+                                               "nearest (more: less padding, a longer start-up).")
     attention_kernels: str = option("auto", choices=ATTENTION_KERNELS,
                                     help="What FlexAttention runs on in the compiled static-shape graph: flash "
                                          "(flash-attention 4's kernels, pip install 'dflash-cache[flash]'; Hopper "

@@ -55,11 +55,24 @@ from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.optim import clipped_step, drafter_optimizer, warmup_cosine
 from dflash_cache.train.precision import Precision, fp32_allreduce_hook
 from dflash_cache.train.run_config import TrainConfig
-from dflash_cache.train.static_shapes import WARM_UP_ANCHORS, Context, StaticShape, warm_up_batches
+from dflash_cache.train.static_shapes import (
+    PAD_DOCUMENT,
+    Context,
+    Shape,
+    ShapeBuckets,
+    ShapeRecord,
+    planned_batches,
+    warm_up_batch,
+)
 
 log = logging.getLogger(__name__)
 # Below this share of the anchors the batches offer, the run says once that the anchor cap binds.
 ANCHORS_KEPT_WARNING = 0.9
+# Epochs whose batches choose the static shapes; a batch of a later epoch that fits none adds one.
+PLANNED_EPOCHS = 8
+# Above this many model FLOPs in an average step, a CPU run says at start that its steps take minutes
+# (a 2-core CPU trains the demo's 0.005 TFLOP steps in a fraction of a second, the defaults' ~0.5 in minutes).
+CPU_SLOW_STEP_FLOPS = 0.05e12
 Source = CacheSource | LiveSource
 T = TypeVar("T")
 K = TypeVar("K")
@@ -67,13 +80,15 @@ K = TypeVar("K")
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What a step takes from its batch before the drafter runs: the anchors' blocks, the context
-    (padded to the static shape when `static`) and the attention masks (Trainer.prepare_step)."""
+    """What a step takes from its batch before the drafter runs: the anchors' blocks and the context
+    (both padded to `shape`, the static shape the step runs, if any) and the attention masks
+    (Trainer.prepare_step)."""
 
     blocks: Blocks
     context: Context
     masks: dict
-    static: bool
+    shape: Shape | None
+    real_rows: int  # context rows of the batch itself, before padding
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
@@ -144,10 +159,11 @@ class Trainer:
         self._anchors_kept = self._anchors_offered = 0
         self._warned_anchor_cap = False
         self.backend = "flex" if device.type == "cuda" else "dense"
-        # The shape compiled layers run static-shape kernels for (None: every step is dynamic).
-        self.static_shape = StaticShape.for_run(largest_batch=max(cfg.token_budget, source.longest_sample())) \
-            if self.compiled else None
-        self.static_steps = 0  # steps of this process that ran the static-shape graph
+        # The shapes every step is padded to when the layers are compiled (None: steps run as they come).
+        self.shapes = self._plan_shapes() if self.compiled else None
+        self.shape_record = ShapeRecord()
+        if device.type == "cpu" and rank == 0:
+            self._say_if_slow_on_cpu()
         # The LM-head loss's chunk kernel (dflash_cache.train.loss.LOSS_KERNELS): with --no-compile,
         # plain torch, so that no Triton build is needed at all.
         self.loss_kernel = "triton" if self.compiled else "torch"
@@ -170,6 +186,37 @@ class Trainer:
             log.info("attention: flash-attention 4's kernels in the static-shape graph, Triton's in the dynamic one")
         elif self.compiled and why_not_flash is not None:
             log.info("attention: Triton's kernels (flash-attention 4's do not run here: %s)", why_not_flash)
+
+    def _plan_shapes(self) -> ShapeBuckets:
+        """The static shapes of this run, from the batches of the epochs it will train (all ranks')."""
+        cfg, source = self.cfg, self.source
+        per_epoch = max(1, len(source.table.epoch(source.config, 0, 0, 1)))
+        epochs = min(PLANNED_EPOCHS, -(-self.total_steps * self.world // per_epoch) + 1)
+        tokens, anchors = planned_batches(source.table, source.config, epochs=epochs, block_size=cfg.block_size,
+                                          num_anchors=cfg.num_anchors, max_anchors=self.max_anchors)
+        return ShapeBuckets.from_plan(batch_tokens=tokens, batch_anchors=anchors, block_size=cfg.block_size,
+                                      largest_batch=max(cfg.token_budget, source.longest_sample()),
+                                      max_shapes=cfg.static_shapes)
+
+    def _say_if_slow_on_cpu(self) -> None:
+        """One line at start when the settings make CPU steps take minutes: the defaults are sized for GPUs."""
+        cfg, source = self.cfg, self.source
+        tokens, anchors = planned_batches(source.table, source.config, epochs=1, block_size=cfg.block_size,
+                                          num_anchors=cfg.num_anchors, max_anchors=self.max_anchors)
+        if len(tokens) == 0:
+            return
+        flops = step_flops(self.drafter_cfg, context_tokens=int(tokens.mean()), num_blocks=int(anchors.mean()),
+                           prefix_keys=0).total
+        if flops > CPU_SLOW_STEP_FLOPS:
+            log.warning("a step here averages %d anchors over %d context tokens (~%.2f TFLOP): minutes each on a CPU, "
+                        "as the defaults are sized for GPUs; for a quick CPU run pass --token-budget 2048 "
+                        "--num-anchors 16 --draft-layers 2 --block-size 8, as `just demo` does",
+                        int(anchors.mean()), int(tokens.mean()), flops / 1e12)
+
+    @property
+    def static_steps(self) -> int:
+        """Steps of this process that ran a static shape's compiled graphs."""
+        return self.shape_record.compiled_steps
 
     # --- checkpoints ---------------------------------------------------------------------
     def _rng_state(self) -> dict[str, torch.Tensor]:
@@ -266,29 +313,37 @@ class Trainer:
     # --- the step ------------------------------------------------------------------------
     def prepare_step(self, batch: PackedBatch) -> StepInputs:
         """The batch's anchors (from the trainer's generator: host work when the batch carries its
-        host layout), whether it runs the static-shape graph, its context and its masks."""
+        host layout), the static shape it runs (if the layers are compiled), its context and masks."""
         cfg = self.cfg
         with self.profiler.span("dflash.anchors"):
             blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
                                     max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
                                     generator=self.generator)
-        static = self.static_shape is not None and self.static_shape.admit(batch.num_tokens, blocks.num_anchors)
-        return self.step_inputs(batch, blocks, static=static, profiler=self.profiler)
+        shape = None
+        if self.shapes is not None:
+            shape = self.shapes.shape_for(batch.num_tokens, blocks.num_anchors)
+            if shape is None:  # more anchors than any batch of the planned epochs can draw
+                self.shapes = self.shapes.widened(blocks.num_anchors, cfg.block_size)
+                shape = self.shapes.shape_for(batch.num_tokens, blocks.num_anchors)
+                log.info("a batch of %d anchors fits no static shape: adding one of %s", blocks.num_anchors, shape)
+        return self.step_inputs(batch, blocks, shape=shape, profiler=self.profiler)
 
-    def step_inputs(self, batch: PackedBatch, blocks: Blocks, *, static: bool,
+    def step_inputs(self, batch: PackedBatch, blocks: Blocks, *, shape: Shape | None,
                     profiler: StageProfiler) -> StepInputs:
-        """The context (padded to the static shape when `static`) and the masks of `blocks`."""
+        """The context and the blocks (padded to `shape`, if any) and the masks of `blocks`."""
         stream = self._stream()
         ctx_doc, ctx_pos = context_doc_pos(batch)
         context = Context(features=batch.features, positions=ctx_pos, docs=ctx_doc)
-        if static:
+        if shape is not None:
             with profiler.device_span("dflash.pad_context", stream):  # a copy of the features, not mask work
-                context = context.padded_to(self.static_shape.context_rows)
+                context = context.padded_to(shape.context_rows)
+                blocks = blocks.padded_to(shape.anchors, pad_document=PAD_DOCUMENT,
+                                          mask_token_id=self.drafter_cfg.mask_token_id)
         with profiler.device_span("dflash.create_block_mask", stream):
             masks = build_masks(context.docs, context.positions, blocks, layer_types=self.drafter_cfg.layer_types,
                                 sliding_window=self.drafter_cfg.sliding_window, backend=self.backend,
                                 compile=self.backend == "flex")
-        return StepInputs(blocks=blocks, context=context, masks=masks, static=static)
+        return StepInputs(blocks=blocks, context=context, masks=masks, shape=shape, real_rows=batch.num_tokens)
 
     def train_steps(self, items: Iterable[tuple[K, PackedBatch]]) -> Iterator[tuple[K, PackedBatch, dict]]:
         """One step per (key, batch), yielding (key, batch, the step's metrics) after each.
@@ -330,19 +385,22 @@ class Trainer:
         cfg = self.cfg
         inputs = inputs if inputs is not None else self.prepare_step(batch)
         blocks = inputs.blocks
-        self.static_steps += inputs.static
         if blocks.offered is not None:
-            self._anchors_kept += blocks.num_anchors
+            self._anchors_kept += blocks.real_anchors
             self._anchors_offered += blocks.offered
         loss, correct = self._forward_backward(inputs, net=self.net, profiler=self.profiler,
                                                while_queued=while_queued)
+        if inputs.shape is not None:
+            self.shape_record.count(eager=inputs.shape in self.shape_record.failed, anchors=blocks.real_anchors,
+                                    anchor_padding=blocks.padding, rows=inputs.real_rows,
+                                    row_padding=inputs.context.rows - inputs.real_rows)
         with self.profiler.device_span("optimizer.step", self._stream()):
             clipped_step(self.optimizer, self.params, cfg.grad_clip)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         if blocks.prefix_keys is not None:
             self.profiler.add_flops(step_flops(self.drafter_cfg, context_tokens=batch.num_tokens,
-                                               num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys,
+                                               num_blocks=blocks.real_anchors, prefix_keys=blocks.prefix_keys,
                                                fewer_rows=self.fewer_rows).total)
         valid = blocks.weights[:, 1:] > 0
         return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
@@ -355,11 +413,26 @@ class Trainer:
     def _forward_backward(self, inputs: StepInputs, *, net: torch.nn.Module, profiler: StageProfiler,
                           while_queued: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafter forward, loss and backward of one step: (loss, correct [A * (B - 1)]);
-        `while_queued` runs between the loss and the backward (see train_steps)."""
+        `while_queued` runs once, between the loss and the backward (see train_steps). A static
+        shape runs its compiled graphs, or eagerly once they have failed (`ShapeRecord`)."""
+        shape = inputs.shape
+        while_queued = _once(while_queued)  # a retry must not prepare the next batch again
+        if shape is not None and shape not in self.shape_record.failed:
+            done = self.shape_record.try_compiled(
+                shape, lambda: self._forward_backward_once(inputs, net, profiler, while_queued, eager=False),
+                undo=lambda: self.model.zero_grad(set_to_none=True))
+            if done is not None:
+                return done
+        return self._forward_backward_once(inputs, net, profiler, while_queued, eager=shape is not None)
+
+    def _forward_backward_once(self, inputs: StepInputs, net: torch.nn.Module, profiler: StageProfiler,
+                               while_queued: Callable[[], None] | None, *,
+                               eager: bool) -> tuple[torch.Tensor, torch.Tensor]:
         stream, blocks, context = self._stream(), inputs.blocks, inputs.context
         with profiler.device_span("drafter.forward", stream), self.precision.autocast_on(self.device):
             features = context.features if self.device.type == "cuda" else context.features.float()
-            scored = self._scored_hidden(net, features, context.positions, blocks, inputs.masks, inputs.static)
+            scored = self._scored_hidden(net, features, context.positions, blocks, inputs.masks,
+                                         static=inputs.shape is not None, eager=eager)
         with profiler.device_span("dflash.chunked_loss", stream):
             loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
                                                 blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
@@ -371,7 +444,7 @@ class Trainer:
         return loss, correct
 
     def _scored_hidden(self, net: torch.nn.Module, features: torch.Tensor, ctx_positions: torch.Tensor,
-                       blocks: Blocks, masks: dict, static: bool) -> torch.Tensor:
+                       blocks: Blocks, masks: dict, *, static: bool, eager: bool) -> torch.Tensor:
         """The drafter's final states of the scored slots 1..B-1, [A * (B - 1), H] (slot 0 is the
         given anchor token). With `fewer_rows` (the default) computed on fewer rows, the same
         function: the block input's distinct rows, each anchor then the mask token that fills every
@@ -383,34 +456,39 @@ class Trainer:
             distinct = torch.cat((blocks.input_ids[:, 0],
                                   blocks.input_ids.new_full((1,), self.drafter_cfg.mask_token_id)))
             return net(features, ctx_positions, self.head.embed(distinct), positions, masks, static=static,
-                       distinct_rows=True, scored_only=True, out_dtype=out_dtype)
+                       eager=eager, distinct_rows=True, scored_only=True, out_dtype=out_dtype)
         hidden = net(features, ctx_positions, self.head.embed(blocks.input_ids.reshape(-1)), positions, masks,
-                     static=static, out_dtype=out_dtype)
+                     static=static, eager=eager, out_dtype=out_dtype)
         return scored_rows(hidden, self.cfg.block_size)
 
     def warm_up(self) -> float:
-        """Compile the dynamic-shape graph before the first step, on two made-up batches of other
-        sizes (the second makes the sizes symbolic), and return the seconds it took. `fit` calls it
-        when several ranks train.
+        """Compile every static shape before the first step (a made-up batch of each through forward
+        and backward) and return the seconds it took; a shape whose compiled step fails is logged
+        and runs eagerly (`ShapeRecord`). So no step stops to compile mid-run (with several ranks,
+        the others would wait for it at the next all-reduce), and the start-up reports all compiling.
 
-        Otherwise the first batch off the static shape (an epoch's last, say) stops its rank to
-        compile mid-way, and the other ranks wait for it at the next all-reduce.
-        The static graph still compiles on the first step, at the data's own anchor count. Nothing
-        of the run changes: the bare drafter runs (no all-reduce), anchors come from a generator of
-        its own, the gradients are dropped and no optimiser step is taken.
+        Nothing of the run changes: the bare drafter runs (no all-reduce), anchors come from a
+        generator of its own, the gradients are dropped and no optimiser step is taken.
         """
         t0 = time.perf_counter()
         generator = torch.Generator().manual_seed(0)
         idle = StageProfiler(None)
         width = self.drafter_cfg.num_target_layers * self.drafter_cfg.hidden_size
-        for batch in warm_up_batches(block_size=self.cfg.block_size, width=width, device=self.device):
-            blocks = sample_anchors(batch, block_size=self.cfg.block_size, num_anchors=WARM_UP_ANCHORS,
-                                    mask_token_id=self.drafter_cfg.mask_token_id, generator=generator)
-            self._forward_backward(self.step_inputs(batch, blocks, static=False, profiler=idle), net=self.model,
-                                   profiler=idle)
-        self.model.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        for i, shape in enumerate(self.shapes.shapes if self.shapes is not None else []):
+            t_shape = time.perf_counter()
+            batch = warm_up_batch(shape, block_size=self.cfg.block_size, width=width, device=self.device)
+            blocks = sample_anchors(batch, block_size=self.cfg.block_size, num_anchors=shape.anchors,
+                                    max_anchors=shape.anchors, mask_token_id=self.drafter_cfg.mask_token_id,
+                                    generator=generator)
+            inputs = self.step_inputs(batch, blocks, shape=shape, profiler=idle)
+            self.shape_record.try_compiled(
+                shape, lambda inputs=inputs: self._forward_backward_once(inputs, self.model, idle, None, eager=False),
+                undo=lambda: None)
+            self.model.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            log.info("static shape %d of %d (%s) ready in %.1fs", i + 1, len(self.shapes.anchors), shape,
+                     time.perf_counter() - t_shape)
         return time.perf_counter() - t0
 
     def _explaining_compile_failures(self, fn: Callable[..., T], *args: Any) -> T:
@@ -447,9 +525,7 @@ class Trainer:
         metrics = MetricsLog(metrics_path, self.device, slots=cfg.block_size - 1, rank=self.rank, world=self.world)
         self._metrics = metrics
         window: list[dict[str, torch.Tensor]] = []
-        # With several ranks, a rank compiling mid-run holds all others at the next all-reduce; one
-        # process compiles the dynamic graph when a batch first needs it (some runs never do).
-        warm_up = self._explaining_compile_failures(self.warm_up) if self.compiled and self.world > 1 else None
+        warm_up = self._explaining_compile_failures(self.warm_up) if self.shapes is not None else None
         metrics.start()
         tok_window = 0
         t_start, first_step = time.perf_counter(), True
@@ -508,10 +584,11 @@ class Trainer:
             metrics.queue(window, tok_window, False, self._window_fields())
         metrics.write()
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
-        if self.static_shape is not None:
-            log.info("%d of this run's steps ran the static-shape graph (%d anchors, context padded to %d); "
-                     "the others the dynamic one", self.static_steps, self.static_shape.anchors,
-                     self.static_shape.context_rows)
+        if self.shapes is not None:
+            record = self.shape_record
+            log.info("static shapes (%s): %d steps compiled, %d eager%s", self.shapes.describe(),
+                     record.compiled_steps, record.eager_steps,
+                     f" (failed to compile: {', '.join(map(str, record.failed))})" if record.failed else "")
         self.save()
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
@@ -523,7 +600,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         build = f"set-up {self.build_seconds:.1f}s, " if self.build_seconds is not None else ""
-        warm = f"dynamic-shape graph compiled in {warm_up:.1f}s, " if warm_up is not None else ""
+        warm = (f"{len(self.shapes.anchors)} static shapes ({self.shapes.describe()}) compiled in {warm_up:.1f}s, "
+                if warm_up is not None else "")
         log.info("start-up: %s%sfirst batch %.1fs, first step %.1fs (compilation included)", build, warm,
                  t_batch - t_start, now - t_batch)
 
@@ -533,7 +611,7 @@ class Trainer:
         that the anchor cap kept; the count starts again. Rank 0 writes the row and says when the
         cap binds, once."""
         fields = {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
-                  "tokens_seen": self.tokens_seen}
+                  "tokens_seen": self.tokens_seen, **self.shape_record.window_fields()}
         kept, offered = self._anchors_kept, self._anchors_offered
         self._anchors_kept = self._anchors_offered = 0
         if offered:
@@ -546,6 +624,19 @@ class Trainer:
                             "each sample trains on fewer blocks; a smaller --token-budget keeps more of each "
                             "sample's", cap, 100 * kept / offered, self.cfg.num_anchors)
         return fields
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """`fn` that runs the first time it is called and does nothing after."""
+    if fn is None:
+        return None
+    pending = [fn]
+
+    def call() -> None:
+        if pending:
+            pending.pop()()
+
+    return call
 
 
 def truncate_metrics(path: Path, step: int) -> None:

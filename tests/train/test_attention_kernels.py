@@ -116,9 +116,10 @@ def test_only_the_compiled_static_graph_calls_the_chosen_flex_attention():
             return x
         return run
 
-    drafter._layer_runners = (recorder("dynamic"), recorder("static"))
-    drafter._edge_runners = (lambda fc, norm, f: norm(fc(f)), lambda norm, x, dtype: x)
     t, q = 6, 8
+    edges = (lambda fc, norm, f: norm(fc(f)), lambda norm, x, dtype: x)
+    drafter._dynamic_runners = (recorder("dynamic"), *edges)
+    drafter._static_runners[(t, q)] = (recorder("static"), *edges)  # the graphs of the shape (t, q)
     args = (torch.randn(t, 2 * cfg.hidden_size), torch.arange(t), torch.randn(q, cfg.hidden_size),
             torch.arange(q), {"full_attention": None})
     drafter(*args, static=False)

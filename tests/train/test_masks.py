@@ -247,20 +247,23 @@ BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
-@pytest.mark.parametrize(("lengths", "B", "pad"), [([700, 300, 1000], 16, 0), ([150, 90, 620], 12, 77),
-                                                   ([2000], 8, 128), ([64] * 6, 5, 0)])
-def test_full_attention_layout_is_create_block_mask_s(lengths, B, pad):
+@pytest.mark.parametrize(("lengths", "B", "pad", "pad_blocks"), [([700, 300, 1000], 16, 0, 0),
+                                                                 ([150, 90, 620], 12, 77, 9),
+                                                                 ([2000], 8, 128, 16), ([64] * 6, 5, 0, 3)])
+def test_full_attention_layout_is_create_block_mask_s(lengths, B, pad, pad_blocks):
     """The full-attention BlockMask laid out from each query's key ranges has exactly the partial and
     full blocks (and their order) that evaluating the rule on every pair gives: several documents,
-    blocks that straddle 128-row tiles, a context padded with rows no query sees (static shapes)."""
+    blocks that straddle 128-row tiles, a context padded with rows no query sees and padded blocks
+    (static shapes)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash_cache.train.masks import _mask_mod
-    from dflash_cache.train.static_shapes import Context
+    from dflash_cache.train.static_shapes import PAD_DOCUMENT, Context
 
     batch = make_batch(lengths, seed=B, p_sup=0.95)
     blocks = sample_anchors(batch, block_size=B, num_anchors=40, mask_token_id=MASK,
                             generator=torch.Generator().manual_seed(B))
+    blocks = blocks.padded_to(blocks.num_anchors + pad_blocks, pad_document=PAD_DOCUMENT, mask_token_id=MASK)
     doc, pos = context_doc_pos(batch)
     ctx = Context(features=batch.features, positions=pos, docs=doc).padded_to(batch.num_tokens + pad)
     q_len, kv_len = blocks.num_anchors * B, ctx.rows + blocks.num_anchors * B
@@ -274,17 +277,19 @@ def test_full_attention_layout_is_create_block_mask_s(lengths, B, pad):
     assert laid_out.seq_lengths == evaluated.seq_lengths
 
 
-@pytest.mark.parametrize(("lengths", "B", "pad"), [([300, 41, 520, 97], 8, 0), ([150, 90, 620], 12, 77),
-                                                   ([64] * 6, 5, 128)])
-def test_key_range_mask_mod_is_the_full_attention_rule(lengths, B, pad):
+@pytest.mark.parametrize(("lengths", "B", "pad", "pad_blocks"), [([300, 41, 520, 97], 8, 0, 0),
+                                                                 ([150, 90, 620], 12, 77, 5),
+                                                                 ([64] * 6, 5, 128, 11)])
+def test_key_range_mask_mod_is_the_full_attention_rule(lengths, B, pad, pad_blocks):
     """The key-range mask_mod admits exactly the pairs the full-attention rule admits, padded context
-    rows (no document) included."""
+    rows (no document) and padded blocks included."""
     from dflash_cache.train.masks import key_range_mask_mod
-    from dflash_cache.train.static_shapes import Context
+    from dflash_cache.train.static_shapes import PAD_DOCUMENT, Context
 
     batch = make_batch(lengths, seed=B, p_sup=0.9)
     blocks = sample_anchors(batch, block_size=B, num_anchors=30, mask_token_id=MASK,
                             generator=torch.Generator().manual_seed(B))
+    blocks = blocks.padded_to(blocks.num_anchors + pad_blocks, pad_document=PAD_DOCUMENT, mask_token_id=MASK)
     doc, pos = context_doc_pos(batch)
     ctx = Context(features=batch.features, positions=pos, docs=doc).padded_to(batch.num_tokens + pad)
     q_len, kv_len = blocks.num_anchors * B, ctx.rows + blocks.num_anchors * B

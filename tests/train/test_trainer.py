@@ -271,10 +271,19 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
                                 "the last checkpoint)"), r.output
 
 
+def _with_static_shapes(trainer: Trainer) -> Trainer:
+    """`trainer` padding its steps to the static shapes a GPU run would (its layers still eager here)."""
+    trainer.shapes = trainer._plan_shapes()
+    return trainer
+
+
 def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
-    """The compile warm-up runs forward and backward on made-up batches but changes nothing of the
-    run: weights, gradients, optimiser state, RNG states and the profiler's counts are as before."""
-    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2), device=torch.device("cpu"))
+    """The compile warm-up runs forward and backward on made-up batches (one per static shape) but
+    changes nothing of the run: weights, gradients, optimiser state, RNG states and the profiler's
+    counts are as before."""
+    trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2, static_shapes=2),
+                                                device=torch.device("cpu")))
+    assert len(trainer.shapes.anchors) == 2
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     rng, anchors = torch.get_rng_state(), trainer.generator.get_state()
     forwards, had_grads, zero_grad = [], [], trainer.model.zero_grad
@@ -285,7 +294,7 @@ def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
         zero_grad(**kw)
 
     trainer.model.zero_grad = recording_zero_grad
-    assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True]
+    assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True, True]
     assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
     assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.generator.get_state(), anchors)
@@ -304,7 +313,7 @@ def test_the_step_on_fewer_rows_is_the_step_on_every_row(demo_cache, tmp_path):
     for fewer in (True, False):
         trainer.fewer_rows = fewer
         trainer.model.zero_grad(set_to_none=True)
-        inputs = trainer.step_inputs(batch, blocks, static=False, profiler=StageProfiler(None))
+        inputs = trainer.step_inputs(batch, blocks, shape=None, profiler=StageProfiler(None))
         loss, correct = trainer._forward_backward(inputs, net=trainer.model, profiler=StageProfiler(None))
         runs.append((loss.detach(), correct, [p.grad.clone() for p in trainer.model.parameters()]))
     (loss_f, correct_f, grads_f), (loss_a, correct_a, grads_a) = runs
@@ -336,3 +345,64 @@ def test_sampling_ahead_takes_the_same_steps_and_checkpoints_the_same_rng(demo_c
     for (loss_one, state_one), (loss_ahead, state_ahead) in zip(*runs, strict=True):
         assert loss_ahead == loss_one
         assert torch.equal(state_ahead, state_one)
+
+
+def test_static_shapes_take_the_steps_unpadded_batches_take(demo_cache, tmp_path):
+    """Every step padded to a static shape (context rows and blocks no query sees, weighing 0) takes
+    the step the batch itself takes: the same losses; the rows report what was padding."""
+    runs = []
+    for static in (False, True):
+        trainer = Trainer.build(_cfg(demo_cache, tmp_path / f"static-{static}", max_steps=6, log_every=3,
+                                     static_shapes=2), device=torch.device("cpu"))
+        if static:
+            _with_static_shapes(trainer)
+        trainer.fit()
+        runs.append(_rows(tmp_path / f"static-{static}"))
+    plain, padded = runs
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in padded]), torch.tensor([r["loss"] for r in plain]),
+                               rtol=1e-5, atol=0.0)
+    assert all("anchor_padding" not in r for r in plain)
+    assert all(0 <= r["anchor_padding"] < 0.5 and 0 < r["context_padding"] < 1 and r["eager_steps"] == 0
+               for r in padded), padded
+
+
+def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, caplog):
+    """A static shape whose compiled step raises (as torch 2.11's dynamic graph did in its backward)
+    is said once, with the torch version, and runs eagerly: the run goes on to its checkpoint and
+    export, and the metrics count the eager steps."""
+    trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=6, log_every=2,
+                                                     static_shapes=1), device=torch.device("cpu")))
+    (shape,) = trainer.shapes.shapes
+    once = trainer._forward_backward_once
+    compiled_calls = []
+
+    def failing_compiled_step(inputs, net, profiler, while_queued, *, eager):
+        if not eager:
+            compiled_calls.append(inputs.shape)
+            if len(compiled_calls) == 2:  # the forward ran, the backward fails
+                once(inputs, net, profiler, while_queued, eager=eager)
+                raise RuntimeError("shape '[10161, 128]' is invalid for input of size 8193")
+        return once(inputs, net, profiler, while_queued, eager=eager)
+
+    trainer._forward_backward_once = failing_compiled_step
+    with caplog.at_level("WARNING"):
+        trainer.fit()
+    rows = _rows(tmp_path)
+    # the warm-up compiled the shape; step 1's compiled attempt failed in its backward and ran eagerly
+    assert [r["step"] for r in rows] == [2, 4, 6] and [r["eager_steps"] for r in rows] == [2, 4, 6]
+    assert compiled_calls == [shape, shape] and trainer.shape_record.failed.keys() == {shape}
+    warned = [m for m in caplog.messages if "failed under torch" in m]
+    assert len(warned) == 1 and str(shape) in warned[0] and torch.__version__ in warned[0], caplog.messages
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def test_gpu_sized_defaults_on_a_cpu_say_so_once_and_the_demo_does_not(demo_cache, tmp_path, caplog):
+    """With no tuning flags a CPU step takes minutes: one line at start says so and names the flags of
+    a quick CPU run; the demo's settings say nothing."""
+    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
+        Trainer.build(_cfg(demo_cache, tmp_path / "demo", max_steps=1), device=torch.device("cpu"))
+        assert not caplog.messages
+        Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(tmp_path / "defaults")),
+                      device=torch.device("cpu"))
+    assert len(caplog.messages) == 1 and "sized for GPUs" in caplog.messages[0], caplog.messages
+    assert "--token-budget 2048 --num-anchors 16" in caplog.messages[0]
