@@ -49,6 +49,7 @@ from bench.common import (  # noqa: E402
     start_logging_and_device,
 )
 from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
+from bench.seeds_mix import prompt_lengths, seeds_mix_lengths  # noqa: E402
 from dflash_cache.profiler import StageProfiler  # noqa: E402
 from dflash_cache.store.batch import HostBatch  # noqa: E402
 from dflash_cache.store.codecs import get_codec  # noqa: E402
@@ -72,6 +73,7 @@ from dflash_cache.train.run_config import TrainConfig  # noqa: E402
 from dflash_cache.train.trainer import Trainer  # noqa: E402
 
 LAYER_IDS = (1, 9, 17, 25, 33)
+SEEDS_TOKENS_PER_EXTRACT_BATCH = 43_500  # the seeds' mix under the default extraction plan (bench/seeds_mix.py)
 
 
 def prescaled_flex_attention(q, k, v, **kwargs):
@@ -106,33 +108,55 @@ def add_drafter_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, vocab: int, device,
-                min_seq: int | None = None) -> None:
-    """A cache of random sequences (10% prompt, 90% supervised) with random bf16 features: every
-    sequence `seq` tokens long, or with `min_seq`, lengths drawn uniformly from [min_seq, seq]
-    (batches then differ in context length and anchor count, as real data's do)."""
+                min_seq: int | None = None, lengths: str = "uniform") -> None:
+    """A cache of random sequences with random bf16 features: every sequence `seq` tokens long (10%
+    prompt), or with `min_seq`, lengths drawn uniformly from [min_seq, seq]; or with lengths
+    "seeds", the seeds' length mix (bench/seeds_mix.py: extraction batches of the default plan, as
+    `extract` would write them, 10-30% prompt). Segments are compressed and written by 16 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_cache.extract.planning import make_plan
+    from dflash_cache.store.plan import PlanConfig
+
     shutil.rmtree(root, ignore_errors=True)
     (root / SEGMENTS_DIR).mkdir(parents=True)
     (root / COMMITS_DIR).mkdir()
     c = get_codec(codec)
     specs = c.arrays(len(LAYER_IDS), hidden)
     rng = np.random.default_rng(0)
-    per_segment = max(1, 16384 // seq)
-    n_seq = max(per_segment, tokens // seq)
-    lengths = np.full(n_seq, seq) if min_seq is None else rng.integers(min_seq, seq + 1, size=n_seq)
-    segments = -(-n_seq // per_segment)
-    for s in range(segments):
-        rows = np.arange(s * per_segment, min(n_seq, (s + 1) * per_segment))
-        lens = lengths[rows]
-        feats = torch.randn(int(lens.sum()), len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
-        encoded = {k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()}
-        masks = [np.r_[np.zeros(n // 10, np.uint8), np.ones(n - n // 10, np.uint8)] for n in lens]
-        packed = HostBatch.pack([rng.integers(0, vocab, size=n) for n in lens], masks, rows)
-        planned = PlannedBatch(unit=0, batch=s, bucket=0, rows=rows, lengths=lens.astype(np.int32))
-        commit_segment(root, planned, packed, encoded, specs=specs, rank=0)
+    if lengths == "seeds":
+        all_lengths = seeds_mix_lengths(max(1, round(tokens / SEEDS_TOKENS_PER_EXTRACT_BATCH)))
+        prompts = prompt_lengths(all_lengths)
+        config = PlanConfig()
+        planned = list(make_plan(all_lengths, np.ones(len(all_lengths), bool), config).batches)
+    else:
+        per_segment = max(1, 16384 // seq)
+        n_seq = max(per_segment, tokens // seq)
+        all_lengths = np.full(n_seq, seq) if min_seq is None else rng.integers(min_seq, seq + 1, size=n_seq)
+        prompts = all_lengths // 10
+        config = PlanConfig(token_budget=16384, max_rows=per_segment, unit_rows=n_seq, bucket_bounds=(0,))
+        planned = [PlannedBatch(unit=0, batch=s, bucket=0, rows=rows, lengths=all_lengths[rows].astype(np.int32))
+                   for s, rows in enumerate(np.array_split(np.arange(n_seq), -(-n_seq // per_segment)))]
+    with ThreadPoolExecutor(16) as pool:
+        pending = []
+        for batch in planned:
+            lens = all_lengths[batch.rows]
+            feats = torch.randn(int(lens.sum()), len(LAYER_IDS) * hidden, device=device, dtype=torch.bfloat16)
+            encoded = {k: v.cpu() for k, v in c.encode(feats, len(LAYER_IDS)).items()}
+            masks = [np.r_[np.zeros(p, np.uint8), np.ones(n - p, np.uint8)] for n, p in zip(lens, prompts[batch.rows],
+                                                                                          strict=True)]
+            packed = HostBatch.pack([rng.integers(0, vocab, size=n) for n in lens], masks, batch.rows)
+            pending.append(pool.submit(commit_segment, root, batch, packed, encoded, specs=specs, rank=0))
+            while len(pending) > 32:  # bounded host memory: encoded segments wait for their writer
+                pending.pop(0).result()
+        for fut in pending:
+            fut.result()
+    n = len(all_lengths)
     commit_synthetic_manifest(root, codec=codec, layer_ids=LAYER_IDS, hidden=hidden, vocab=vocab, plan=PlanParams(
-        unit_rows=n_seq, token_budget=16384, max_rows=per_segment, bucket_bounds=(0,), max_len=None,
-        overlong="truncate", num_rows=n_seq, num_units=1, num_segments=segments, num_samples=n_seq,
-        num_tokens=int(lengths.sum())))
+        unit_rows=config.unit_rows, token_budget=config.token_budget, max_rows=config.max_rows,
+        bucket_bounds=tuple(config.bucket_bounds), max_len=None, overlong="truncate", num_rows=n,
+        num_units=-(-n // config.unit_rows), num_segments=len(planned), num_samples=n,
+        num_tokens=int(all_lengths.sum())))
 
 
 def mean_step_flops(cfg, batches: list, *, num_anchors: int, max_anchors: int | None,
@@ -209,10 +233,23 @@ class Timing:
     tokens: int
     with_fill_seconds: float  # sync to sync, the lead-in step included
     with_fill_tokens: int
+    flops: float = 0.0  # model FLOPs of the timed steps (their real anchors: padding is not counted)
+
+
+def count_flops(trainer: Trainer) -> list[float]:
+    """The model FLOPs of every step the trainer takes from now on, appended to the returned list."""
+    log, add = [], trainer.profiler.add_flops
+
+    def counting(n: float) -> None:
+        log.append(n)
+        add(n)
+
+    trainer.profiler.add_flops = counting
+    return log
 
 
 def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int = 0,
-                lookahead: bool = True) -> Timing:
+                lookahead: bool = True, flop_log: list[float] | None = None) -> Timing:
     """`steps` steps after one untimed lead-in step, with no synchronisation in between.
 
     The host prepares each step (the batch's fetch and copy, the anchors, the launches) while the
@@ -229,6 +266,7 @@ def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int =
     t0 = time.perf_counter()
     steps_run = stepping(trainer, itertools.islice(batches, steps + 1), lookahead)
     lead_in = next(steps_run)
+    counted = len(flop_log) if flop_log is not None else 0
     trainer.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
     cuda = device.type == "cuda"
     start = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -246,7 +284,8 @@ def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int =
     sync(device)
     t2 = time.perf_counter()
     seconds = start.elapsed_time(end) / 1e3 if cuda else t2 - t1  # a CPU runs each step before returning
-    return Timing(seconds, tokens, t2 - t0, tokens + lead_in.num_tokens)
+    flops = sum(flop_log[counted:]) if flop_log is not None else 0.0
+    return Timing(seconds, tokens, t2 - t0, tokens + lead_in.num_tokens, flops)
 
 
 def main() -> None:
@@ -258,6 +297,15 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=12288)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--codecs", default="fp8,bf16")
+    ap.add_argument("--lengths", default="uniform",
+                    help="the caches' sequence lengths, comma-separated: 'uniform' (all the bench length) and/or "
+                         "'seeds' (the seeds' length mix, bench/seeds_mix.py); with both, each codec gets a cache "
+                         "of each, timed side by side, and the static shapes are planned from the seeds' cache")
+    ap.add_argument("--no-resident", action="store_true",
+                    help="time the caches only (the resident batches of a large token budget fill the GPU)")
+    ap.add_argument("--epoch-steps", action="store_true",
+                    help="time as many steps as the (first) seeds' cache has batches per epoch, so the timed "
+                         "batches hold the mix in its shares; --steps still sets the other sources' steps")
     add_drafter_arg(ap)
     ap.add_argument("--min-seq", type=int, default=None,
                     help="sequence lengths uniform in [MIN_SEQ, the bench length] instead of all equal: batches "
@@ -332,31 +380,46 @@ def main() -> None:
     head = FrozenTargetHead(torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02,
                             torch.randn(s["vocab"], s["hidden"], generator=g) * 0.02)
 
-    sources = {}
-    for codec in codecs:
-        root = out / f"cache-{codec}"
+    sources, source_steps = {}, {}
+    kinds = args.lengths.split(",")
+    for kind, codec in itertools.product(sorted(kinds, key=lambda k: k != "seeds"), codecs):
+        name = codec if len(kinds) == 1 else f"{kind}-{codec}"
+        root = out / f"cache-{name}"
         t0 = time.perf_counter()
-        write_cache(root, codec, tokens=args.tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device,
-                    min_seq=args.min_seq)
-        print(f"wrote {codec} cache in {time.perf_counter() - t0:.1f}s", flush=True)
-        cfg = TrainConfig(cache=str(root), out=str(out / f"run-{codec}"), **cfg_kw)
-        sources[codec] = CacheSource(CacheReader(root), source_config(cfg), device=device)
+        # a uniform cache beside the seeds' one needs only the batches it is timed on
+        tokens = args.tokens if len(kinds) == 1 or kind == "seeds" else \
+            min(args.tokens, (args.steps + 4) * args.token_budget)
+        write_cache(root, codec, tokens=tokens, seq=s["seq"], hidden=s["hidden"], vocab=s["vocab"], device=device,
+                    min_seq=args.min_seq, lengths=kind)
+        print(f"wrote {name} cache in {time.perf_counter() - t0:.1f}s", flush=True)
+        cfg = TrainConfig(cache=str(root), out=str(out / f"run-{name}"), **cfg_kw)
+        sources[name] = CacheSource(CacheReader(root), source_config(cfg), device=device)
+        source_steps[name] = sources[name].batches_per_epoch() if args.epoch_steps and kind == "seeds" else args.steps
     # One trainer (one drafter, one optimiser) steps through every source in turn, so the
-    # measurements differ only in where the batches come from.
+    # measurements differ only in where the batches come from; its static shapes are planned from the
+    # first source's batches (the seeds' mix when there is one).
+    first_name = next(iter(sources))
     profiler = StageProfiler(10**9)  # the trainer sets its peak FLOP/s: reports give MFU
-    trainer = Trainer(TrainConfig(cache=str(out / f"cache-{codecs[0]}"), out=str(out / "run"), **cfg_kw),
-                      source=sources[codecs[0]], drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
+    trainer = Trainer(TrainConfig(cache=str(out / f"cache-{first_name}"), out=str(out / "run"), **cfg_kw),
+                      source=sources[first_name], drafter_cfg=drafter_cfg, head=head, device=device,
+                      profiler=profiler)
     for source in sources.values():
         source.profiler = profiler
-    first = sources[codecs[0]]
+    flop_log = count_flops(trainer)
+    first = sources[first_name]
     t0 = time.perf_counter()
+    compile_s = trainer.warm_up()
+    planned = trainer.shapes.describe() if trainer.shapes is not None else None
+    print(f"start-up: static shapes ({planned}) compiled in {compile_s:.1f}s", flush=True)
     run_steps(trainer, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
-    print(f"warm-up ({args.warmup} steps, compiles included): {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"warm-up ({args.warmup} steps after the start-up): {time.perf_counter() - t0:.1f}s", flush=True)
     # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
     # (one more than the timed steps: the lead-in of timed_steps)
-    resident = [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps + 1)]
-    flops = mean_step_flops(drafter_cfg, resident[1:], num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
-    every_row_flops = mean_step_flops(drafter_cfg, resident[1:], num_anchors=args.num_anchors,
+    resident = [] if args.no_resident else \
+        [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps + 1)]
+    measured = resident[1:] or [b for _, b in itertools.islice(first.iterate(Position(0, 0)), 8)]
+    flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
+    every_row_flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors,
                                       max_anchors=trainer.max_anchors, fewer_rows=False)
     print(f"model FLOPs per step, mean of the timed batches: {flops.total / 1e12:.1f} T (linears "
           f"{flops.linears / 1e12:.1f}, attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}; "
@@ -369,11 +432,11 @@ def main() -> None:
                      "max_autotune": args.max_autotune, "compile_options": args.compile_options,
                      "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
                      "step_tflops": flops.total / 1e12, "step_tflops_every_row": every_row_flops.total / 1e12,
-                     "runs": {}}
-    static_shape = trainer.static_shape
-    compare = args.compare_dynamic and static_shape is not None
+                     "lengths": args.lengths, "startup_s": compile_s, "static_shapes": planned, "runs": {}}
+    static_shapes = trainer.shapes
+    compare = args.compare_dynamic and static_shapes is not None
     if compare:
-        trainer.static_shape = None
+        trainer.shapes = None
         t0 = time.perf_counter()
         run_steps(trainer, iter(resident), 3, device)
         print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
@@ -387,13 +450,13 @@ def main() -> None:
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
     default_attention = trainer.model.static_flex_attention_fn
     model = trainer.model
-    runners = {"default": (model._layer_runners, model._edge_runners)}
+    runners = {"default": (model._dynamic_runners, model._static_runners, model._compile_options)}
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
     row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
-    one_at_a_time = {f"{src}-no-lookahead" for src in ("resident", codecs[0])} if args.compare_no_lookahead else set()
+    one_at_a_time = {f"{src}-no-lookahead" for src in ("resident", first_name)} if args.compare_no_lookahead else set()
     k = args.compare_sync_every
-    sync_runs = {f"{src}-sync-every-{k}": src for src in ("resident", codecs[0])} if k else {}
+    sync_runs = {f"{src}-sync-every-{k}": src for src in ("resident", first_name)} if k else {}
     precision_runs = {"resident-fp32-weights": Precision(autocast=True, master_weights=False)} \
         if args.compare_fp32_weights else {}
     default_precision = trainer.precision
@@ -401,24 +464,25 @@ def main() -> None:
     if args.compile_options and trainer.compiled:
         model.compile_layers(options={k: ast.literal_eval(v) for k, v in
                                       (kv.split("=", 1) for kv in args.compile_options.split(","))})
-        option_runs["resident-compile-options"] = (model._layer_runners, model._edge_runners)
-        model._layer_runners, model._edge_runners = runners["default"]
+        option_runs["resident-compile-options"] = (model._dynamic_runners, model._static_runners,
+                                                   model._compile_options)
+        model._dynamic_runners, model._static_runners, model._compile_options = runners["default"]
+    resident_runs = [] if args.no_resident else \
+        ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs, *attention_runs,
+         *option_runs, *blas_runs, *row_runs]
     for rnd in range(args.rounds):
-        for name in ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs,
-                     *attention_runs, *option_runs, *blas_runs, *row_runs, *codecs, *sync_runs,
-                     *sorted(one_at_a_time),
-                     *precision_runs]:
-            trainer.static_shape = None if name == "resident-dynamic" else static_shape
+        for name in [*resident_runs, *sources, *sync_runs, *sorted(one_at_a_time), *precision_runs]:
+            trainer.shapes = None if name == "resident-dynamic" else static_shapes
             trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
             trainer.loss_kernel = kernel_runs.get(name, default_kernel)
             trainer.model.static_flex_attention_fn = attention_runs.get(name, default_attention)
-            model._layer_runners, model._edge_runners = option_runs.get(name, runners["default"])
+            model._dynamic_runners, model._static_runners, model._compile_options = \
+                option_runs.get(name, runners["default"])
             trainer.fewer_rows = row_runs.get(name, True)
             switched = set_precision(trainer, precision_runs.get(name, default_precision))
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
-            static_before = trainer.static_steps
             source = sync_runs.get(name, name.removesuffix("-no-lookahead") if name in one_at_a_time else name)
             if source.startswith("resident"):
                 if switched or name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs,
@@ -436,17 +500,23 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
+            steps = source_steps.get(source, args.steps)
+            static_before = trainer.static_steps
+            trainer.shape_record.window_fields()  # padding counted from here
             with ClockSampler(device) as clocks:
-                timing = timed_steps(trainer, batches, args.steps, device, sync_every=k if name in sync_runs else 0,
-                                     lookahead=name not in one_at_a_time)
+                timing = timed_steps(trainer, batches, steps, device, sync_every=k if name in sync_runs else 0,
+                                     lookahead=name not in one_at_a_time, flop_log=flop_log)
+            padding = trainer.shape_record.window_fields()
             sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
             static = trainer.static_steps - static_before
-            run = {"tok_s": tok / sec, "s_per_step": sec / args.steps,
+            peak_flops = trainer.profiler.peak_flops
+            run = {"tok_s": tok / sec, "s_per_step": sec / steps, "steps": steps,
+                   "mfu": timing.flops / sec / peak_flops if peak_flops else None, "padding": padding,
                    "tok_s_with_fill": timing.with_fill_tokens / timing.with_fill_seconds,
-                   "s_per_step_with_fill": timing.with_fill_seconds / (args.steps + 1),
+                   "s_per_step_with_fill": timing.with_fill_seconds / (steps + 1),
                    "peak_gib": peak, "peak_reserved_gib": reserved, "first_2_steps_s": startup,
                    "page_cache_dropped": dropped, "static_shape_steps": static, "profile": report,
                    "clocks": clocks.summary()}
@@ -454,25 +524,30 @@ def main() -> None:
             print(f"round {rnd} {name}: {tok / sec:,.0f} tok/s ({run['tok_s_with_fill']:,.0f} with the pipeline "
                   f"fill); first 2 steps {startup:.1f}s; peak GPU {peak:.1f} GiB "
                   f"({reserved:.1f} reserved);"
-                  f" page cache dropped: {dropped}; static-shape steps {static}; {describe(run['clocks'])}", flush=True)
+                  f" page cache dropped: {dropped}; static-shape steps {static} of {steps + 1} (the lead-in one too); padding {padding}; MFU "
+                  f"{run['mfu'] or 0:.1%}; {describe(run['clocks'])}", flush=True)
             print(report, flush=True)
-    base = [r["tok_s"] for r in results["runs"]["resident"]]
-    print(f"\n{results['device']}, {args.rounds} rounds x {args.steps} steps, token budget {args.token_budget}")
+    base_name = next(iter(results["runs"]))  # the resident batches, or the first cache
+    base = [r["tok_s"] for r in results["runs"][base_name]]
+    print(f"\n{results['device']}, {args.rounds} rounds, token budget {args.token_budget}; ratios against "
+          f"{base_name}; MFU counts the real anchors' work (padding is not)")
     peak_flops = trainer.profiler.peak_flops
     print("tok/s and s/step in steady state (device time after a lead-in step); 'with fill': sync to sync, the "
           "lead-in step and its pipeline fill included")
-    print("| source | tok/s per round | s/step | MFU | ratio vs resident (same round) | tok/s with fill | ratio with "
-          "fill | peak GPU GiB (reserved) |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| source | steps | tok/s per round | s/step | MFU | anchor padding | ratio vs {base_name} (same round) | "
+          "tok/s with fill | ratio with fill | peak GPU GiB (reserved) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, runs in results["runs"].items():
         rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
         steps = " / ".join(f"{r['s_per_step']:.3f}" for r in runs)
         run_flops = every_row_flops if name in row_runs else flops  # each path's MFU counts its own work
-        mfu = " / ".join(f"{run_flops.total / r['s_per_step'] / peak_flops:.1%}" if peak_flops else "-" for r in runs)
+        mfu = " / ".join(f"{(r['mfu'] if r['mfu'] else run_flops.total / r['s_per_step'] / peak_flops):.1%}"
+                         if peak_flops else "-" for r in runs)
+        pads = " / ".join(f"{r['padding'].get('anchor_padding', 0):.1%}" for r in runs)
         ratios = " / ".join(f"{r['tok_s'] / b:.3f}" for r, b in zip(runs, base, strict=True))
         fill_rates = " / ".join(f"{r['tok_s_with_fill']:,.0f}" for r in runs)
         fill_ratios = " / ".join(f"{r['tok_s_with_fill'] / b['tok_s_with_fill']:.3f}"
-                                 for r, b in zip(runs, results["runs"]["resident"], strict=True))
-        print(f"| {name} | {rates} | {steps} | {mfu} | {ratios} | {fill_rates} | {fill_ratios} | "
+                                 for r, b in zip(runs, results["runs"][base_name], strict=True))
+        print(f"| {name} | {runs[0]['steps']} | {rates} | {steps} | {mfu} | {pads} | {ratios} | {fill_rates} | {fill_ratios} | "
               f"{max(r['peak_gib'] for r in runs):.1f} "
               f"({max(r['peak_reserved_gib'] for r in runs):.1f}) |")
     if args.trace:
