@@ -11,11 +11,18 @@ setup:
 test *args:
     python3 -m pytest tests {{args}}
 
-# One process, since xdist's workers would all compile on the one GPU at once; on a fresh machine
-# they took 6-9 minutes on an H200, mostly compiling (`-k` picks a part).
-# The GPU tests (an NVIDIA GPU).
-test-gpu *args:
+# The GPU tests (an NVIDIA GPU), in two parts that each finish within 10 minutes on a fresh H200.
+# One process, since xdist's workers would all compile on the one GPU at once (`-k` picks a part).
+test-gpu *args: (test-gpu-unit args) (test-gpu-cli args)
+
+# Part 1: compiled masks, kernels and layers, short training runs, GPU extraction (6-9 minutes, mostly compiling).
+test-gpu-unit *args:
     python3 -m pytest -n 0 tests/train/test_cuda.py tests/extract/test_cuda.py {{args}}
+
+# Part 2: the whole job through the CLI with default options on mixed-length data and a 1.7B-shaped target,
+# in two tests that each fit one 10-minute GPU call (`just test-gpu-cli -k cache`, `just test-gpu-cli -k live`).
+test-gpu-cli *args:
+    python3 -m pytest -n 0 -s tests/dflash_cache/test_cli_cuda.py {{args}}
 
 # The two-phase job on the built-in tiny target and demo data: extract, inspect + verify, train.
 # Run it twice: the second run resumes both phases and finds nothing left to do.
