@@ -110,6 +110,23 @@ class LocalCache:
     def zarr_store(self, name: str) -> LocalStore:
         return LocalStore(segment_dir(self.root, name), read_only=True)
 
+    def segment_tails(self, name: str) -> Callable[[str, int, int], bytes]:
+        """A reader of the last `nbytes` of a segment's file `rel` of `size` bytes (shard indexes)."""
+        def tail(rel: str, nbytes: int, size: int) -> bytes:
+            with open_regular(segment_dir(self.root, name) / rel) as f:
+                f.seek(max(0, size - nbytes))
+                return f.read(nbytes)
+        return tail
+
+    def commit_stamp(self, name: str) -> tuple[int, int, int] | None:
+        """(inode, modification time, size) of a segment's commit record, None if it has none: what
+        changes when the cache is made again under a reader."""
+        try:
+            st = os.stat(self.root / COMMITS_DIR / f"{name}.json")
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
 
 class RemoteCache:
     """A cache under a URL prefix, read through fsspec (and zarr's fsspec store for the arrays)."""
@@ -254,6 +271,15 @@ class RemoteCache:
 
     def zarr_store(self, name: str):
         return self._zarr(f"{SEGMENTS_DIR}/{name}", read_only=True)
+
+    def segment_tails(self, name: str) -> None:
+        """None: a remote segment's shard indexes are checked on the fetched objects
+        (`CacheReader.read_segment`), not by a request per shard first."""
+        return None
+
+    def commit_stamp(self, name: str) -> None:
+        """Not watched on object storage: a reader there sees the objects as they were fetched."""
+        return None
 
     def _zarr(self, rel: str, *, read_only: bool):
         """zarr's store for the prefix `rel` ("" for the cache's own), on this filesystem's options."""

@@ -4,8 +4,10 @@
 pickle) and sees committed segments only. A cache may come from anyone, so before a segment's
 data is touched its directory is walked once (every path inside the root, regular files only,
 exactly the files its record lists) and each array's zarr.json is held to what the writer makes
-(shape, dtype, codecs, bounded chunks, every shard file present): damage is an error naming the
-segment, never a block of zeros or an allocation sized by a stranger.
+(shape, dtype, codecs, bounded chunks, every shard file present, and every chunk the writer wrote
+present in its shard's index): damage is an error naming the segment, never a block of zeros or an
+allocation sized by a stranger. After that first look, a chunk file that vanishes or a commit
+record that is replaced (the cache deleted or made again under a training run) is such an error too.
 
 A reader is shared by the trainer's prefetch threads: its caches of opened arrays and checked
 segments are guarded by a lock.
@@ -14,6 +16,7 @@ segments are guarded by a lock.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -28,7 +31,8 @@ import pyarrow.compute as pc
 import torch
 import zarr
 from zarr.core.buffer import default_buffer_prototype
-from zarr.storage import MemoryStore
+from zarr.core.common import ZARR_JSON
+from zarr.storage import MemoryStore, WrapperStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import write_parquet_atomic
@@ -53,6 +57,34 @@ INDEX_BYTES_PER_SAMPLE = 256  # an index.parquet larger than this per sample (+1
 # mismatch (a flipped byte, a truncated shard, a damaged shard index), RuntimeError from Blosc
 # for a stream it cannot decompress. Only the zarr read itself sits inside the try.
 DECODE_ERRORS = (ValueError, RuntimeError)
+
+
+class MissingChunk(Exception):
+    """A segment's chunk file that zarr asked for is not there (`_ChunksMustExist`)."""
+
+
+class _ChunksMustExist(WrapperStore):
+    """A segment's store on which a missing chunk file raises MissingChunk: zarr itself reads a
+    missing chunk as the fill value, zeros. Every chunk of a committed segment was written (the
+    reader checked them once), except in the arrays `zero_arrays` that its record says are all
+    zeros (older writers skipped those); one gone since was deleted under the reader."""
+
+    def __init__(self, store, zero_arrays: frozenset[str]) -> None:
+        super().__init__(store)
+        self._zero_arrays = zero_arrays
+
+    def _check(self, key: str, value):
+        if value is None and not key.endswith(ZARR_JSON) and key.split("/")[0] not in self._zero_arrays:
+            raise MissingChunk(key)
+        return value
+
+    async def get(self, key, prototype, byte_range=None):
+        return self._check(key, await self._store.get(key, prototype, byte_range))
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        values = await self._store.get_partial_values(prototype, key_ranges)
+        return [self._check(key, value) for (key, _), value in zip(key_ranges, values, strict=True)]
 
 
 def memory_store(blobs: dict[str, bytes]) -> MemoryStore:
@@ -205,7 +237,9 @@ class CacheReader:
         self._by_name = {r.name: r for r in self.records}
         self._check_segment_files = check_segment_files
         self._lock = threading.Lock()
-        self._checked: set[str] = set()  # segments whose files and array metadata passed
+        # Segments whose files and array metadata passed, with their commit record's stamp then: a
+        # record replaced since means the cache was made again under this reader.
+        self._checked: dict[str, tuple | None] = {}
         self._open = _OpenArrays(open_arrays)
 
     # --- summary -------------------------------------------------------------------------
@@ -297,17 +331,28 @@ class CacheReader:
         with self._lock:
             if rec.name in self._checked:
                 return
+        stamp = self.location.commit_stamp(rec.name)
         found, problems = self.location.segment_files(rec.name)
         if self._check_segment_files or check_files:
             problems += listing_problems(rec, found)
         if not problems:
             layouts = self.layouts(rec)
             metas = {rel: found[rel] for rel in (f"{key}/zarr.json" for key in layouts) if rel in found}
-            problems = array_problems(self.location.segment_metas(rec.name, metas), found, layouts)
+            problems = array_problems(self.location.segment_metas(rec.name, metas), found, layouts,
+                                      self.location.segment_tails(rec.name))
         if problems:
             raise CacheCorruptError(f"segment {rec.name} is damaged: {'; '.join(problems)}")
         with self._lock:
-            self._checked.add(rec.name)
+            self._checked[rec.name] = stamp
+
+    def _check_unchanged(self, name: str) -> None:
+        """CacheCorruptError if the segment's commit record is not the one it had when checked."""
+        with self._lock:
+            stamp = self._checked.get(name)
+        if stamp is not None and self.location.commit_stamp(name) != stamp:
+            raise CacheCorruptError(f"segment {name} changed (its commit record was deleted or replaced) while it "
+                                    "was being read: the cache was deleted or made again under this run; let the "
+                                    "other job finish, then start again")
 
     def _array(self, name: str, key: str) -> zarr.Array:
         cached = self._open.get((name, key))
@@ -315,7 +360,8 @@ class CacheReader:
             return cached
         rec = self.record(name)
         self.check_segment(rec)
-        arr = self._open_array(self.location.zarr_store(name), rec, key)
+        zero_arrays = frozenset(k for k, layout in self.layouts(rec).items() if layout.zeros)
+        arr = self._open_array(_ChunksMustExist(self.location.zarr_store(name), zero_arrays), rec, key)
         self._open.put((name, key), arr)
         return arr
 
@@ -333,7 +379,11 @@ class CacheReader:
         return arr
 
     def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        return self._values(self._array(name, key), name, key, start, stop)
+        """Rows start:stop of one array of a committed segment, decoded; an error naming the segment
+        if it cannot be, or if the segment changed on disk since this reader checked it."""
+        values = self._values(self._array(name, key), name, key, start, stop)
+        self._check_unchanged(name)
+        return values
 
     def _values(self, arr: zarr.Array, name: str, key: str, start: int | None = None,
                 stop: int | None = None) -> np.ndarray:
@@ -342,6 +392,10 @@ class CacheReader:
             values = np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
+        except MissingChunk as e:
+            raise CacheCorruptError(f"segment {name}: array {key}: its file {e} is missing (it was there when "
+                                    "the cache was opened: deleted since, by another job on this cache?); let the "
+                                    "other job finish, then start again") from None
         problem = self.codec.stored_problem(key, values, self.manifest.hidden_size)
         if problem:
             raise CacheCorruptError(f"segment {name}: array {key}: {problem}")
@@ -355,7 +409,12 @@ class CacheReader:
             return {k: self.read_array(name, k) for k in keys}
         rec = self.record(name)
         self.check_segment(rec)
-        store = memory_store(self.location.fetch_segment(name, rec.files))
+        blobs = self.location.fetch_segment(name, rec.files)
+        problems = array_problems(lambda rel: json.loads(blobs[rel]), {rel: len(b) for rel, b in blobs.items()},
+                                  self.layouts(rec), lambda rel, nbytes, size: blobs[rel][-nbytes:])
+        if problems:
+            raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
+        store = memory_store(blobs)
         return {k: self._values(self._open_array(store, rec, k), name, k) for k in keys}
 
     def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:

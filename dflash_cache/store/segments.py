@@ -362,10 +362,29 @@ def _shard_problem(rel: str, size: int | None, layout: ArrayLayout, index_bytes:
     return None
 
 
-def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[str, ArrayLayout]) -> list[str]:
+EMPTY_CHUNK = 2**64 - 1  # a shard index's (offset, length) of a chunk that was never written
+
+
+def shard_index_problem(rel: str, tail: bytes, size: int, chunks: int, written: int) -> str | None:
+    """A shard's index, its last `16 * chunks + 4` bytes: the writer writes every chunk inside the
+    array (`write_array`), so of its first `written` entries none may be marked empty (zarr would
+    read that chunk as zeros) or reach past the shard's data. The CRC32C is zarr's to check."""
+    entries = np.frombuffer(tail[:16 * chunks], dtype="<u8").reshape(chunks, 2)[:written]
+    empty = (entries == EMPTY_CHUNK).all(axis=1)
+    if empty.any():
+        return f"{rel}: {int(empty.sum())} of its {written} chunks are marked empty, yet the writer writes every one"
+    data_end = size - len(tail)
+    if bool(((entries[:, 0] > data_end) | (entries[:, 1] > data_end - np.minimum(entries[:, 0], data_end))).any()):
+        return f"{rel}: its index points past the end of its {data_end} bytes of chunks"
+    return None
+
+
+def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[str, ArrayLayout],
+                   read_tail: Callable[[str, int, int], bytes] | None = None) -> list[str]:
     """Problems with a segment's arrays: metadata unlike the writer's, or a shard file that zarr
-    would silently read as zeros because it is absent or empty. `read_meta(rel)` parses the
-    segment's JSON file `rel` (at most MAX_ARRAY_META_BYTES)."""
+    would silently read as zeros because it is absent or empty, or (with `read_tail(rel, nbytes,
+    size)`, the last bytes of a file) whose index marks a chunk empty that the writer wrote.
+    `read_meta(rel)` parses the segment's JSON file `rel` (at most MAX_ARRAY_META_BYTES)."""
     problems = []
     for key, layout in layouts.items():
         meta_rel = f"{key}/zarr.json"
@@ -381,6 +400,13 @@ def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[
         shard_problems = (_shard_problem(rel, found.get(rel), layout, index_bytes)
                           for rel in shard_keys(key, layout.shape, shard))
         first = next((p for p in shard_problems if p), None)  # one per array is enough to name it
+        if first is None and read_tail is not None and not layout.zeros:
+            for i, rel in enumerate(shard_keys(key, layout.shape, shard)):
+                written = -(-min(shard, layout.shape[0] - i * shard) // chunk)
+                first = shard_index_problem(rel, read_tail(rel, index_bytes, found[rel]), found[rel],
+                                            shard // chunk, written)
+                if first:
+                    break
         if first:
             problems.append(first)
     return problems

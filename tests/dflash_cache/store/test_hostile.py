@@ -354,3 +354,40 @@ def test_empty_shard_file_is_refused_not_zeros(tmp_path):
     _relist(tmp_path)
     with pytest.raises(CacheCorruptError, match="features/c/0/0 is 0 bytes, too short to hold its shard index"):
         CacheReader(tmp_path).read_array(NAME, "features")
+
+
+def _rewrite_shard_index(path: Path, edit) -> None:
+    """Edit the (offset, length) entries of a shard's index at its end, with a CRC32C that matches
+    again: a sender's own shard, which zarr accepts."""
+    import google_crc32c
+
+    data = bytearray(path.read_bytes())
+    n = next(n for n in range(1, 4096) if len(data) >= 16 * n + 4 and
+             google_crc32c.value(bytes(data[-(16 * n + 4):-4])) == int.from_bytes(data[-4:], "little"))
+    entries = np.frombuffer(bytes(data[-(16 * n + 4):-4]), dtype="<u8").reshape(n, 2).copy()
+    edit(entries)
+    index = entries.astype("<u8").tobytes()
+    data[-(16 * n + 4):] = index + google_crc32c.value(index).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("key, rel", [("features", "features/c/0/0"), ("input_ids", "input_ids/c/0")])
+def test_a_shard_index_marking_written_chunks_empty_is_refused_not_zeros(tmp_path, key, rel):
+    """The writer writes every chunk, so a shard index that marks one empty (zarr then reads its
+    fill value, zeros) is damage, for the reader and for verify."""
+    from dflash_cache.store.report import verify
+
+    synthetic_cache(tmp_path)
+    _rewrite_shard_index(_seg(tmp_path) / rel, lambda e: e.fill(2**64 - 1))
+    _relist(tmp_path)
+    with pytest.raises(CacheCorruptError, match=rf"segment {NAME} is damaged: {rel}: .*marked empty"):
+        CacheReader(tmp_path).read_array(NAME, key)
+    assert any("marked empty" in p for p in verify(CacheReader(tmp_path)))
+
+
+def test_a_shard_index_pointing_past_its_data_is_refused(tmp_path):
+    synthetic_cache(tmp_path)
+    _rewrite_shard_index(_seg(tmp_path) / "features/c/0/0", lambda e: e.__setitem__((0, 1), 10**9))
+    _relist(tmp_path)
+    with pytest.raises(CacheCorruptError, match="features/c/0/0: .*past the end"):
+        CacheReader(tmp_path).read_array(NAME, "features")

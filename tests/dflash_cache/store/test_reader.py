@@ -242,3 +242,39 @@ def test_build_index_matches_a_plain_loop_over_the_records():
             for rec in records for i, (sid, n, s) in enumerate(zip(rec.sample_ids, rec.lengths, rec.supervised, strict=True))]
     assert build_index(records).to_pylist() == rows
     assert build_index([]).num_rows == 0
+
+
+def _shards(root, name: str, key: str) -> list:
+    return sorted(p for p in (root / "segments" / name / key).rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def test_a_shard_deleted_after_the_first_read_is_an_error_not_zeros(tmp_path):
+    """The reader checks a segment's files once; a shard that vanishes afterwards (an `extract
+    --overwrite` on the cache being read, say) must stop the read, naming the segment."""
+    from dflash_cache.errors import CacheCorruptError
+
+    _, written = synthetic_cache(tmp_path, "none", segments=2)
+    r = CacheReader(tmp_path)
+    name = written[0][0].name
+    r.read_array(name, "features", 0, 3)  # checked and opened
+    for shard in _shards(tmp_path, name, "features"):
+        shard.unlink()
+    with pytest.raises(CacheCorruptError, match=f"segment {name}.*features.*missing"):
+        r.read_array(name, "features", 0, 3)
+
+
+def test_a_segment_rewritten_under_the_reader_is_refused(tmp_path):
+    """A segment whose commit record was replaced after the reader opened the cache (the cache
+    made again at the same path) is not read on as if it were the one opened."""
+    from dflash_cache.errors import CacheCorruptError
+
+    _, written = synthetic_cache(tmp_path, "none", segments=2)
+    r = CacheReader(tmp_path)
+    name = written[1][0].name
+    r.read_array(name, "input_ids")
+    record = tmp_path / "commits" / f"{name}.json"
+    text = record.read_text()
+    record.unlink()
+    record.write_text(text)  # the same content, another file: a new generation of the cache
+    with pytest.raises(CacheCorruptError, match=f"segment {name} changed .*while it was being read"):
+        r.read_array(name, "input_ids")
