@@ -97,8 +97,9 @@ def train(cfg: TrainConfig, device: str) -> None:
         sys.exit(130)
     export = Path(cfg.out) / "export"
     if last:
-        click.echo(f"done: step {last['step']}, loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}; "
-                   f"exported to {export}")
+        shown = f"loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}" if last["loss"] is not None else \
+            "every step of the last window skipped (gradients not finite)"
+        click.echo(f"done: step {last['step']}, {shown}; exported to {export}")
     else:
         click.echo(f"nothing to train: {cfg.out} is already at its last step; exported to {export}")
 

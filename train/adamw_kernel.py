@@ -59,10 +59,12 @@ def _build_kernel(interpret: bool):
         return tl.where(x != x, 0x7FC0, bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, master_ptr, divisor_ptr, n, lr, beta1, beta2, eps, decay,
-                      step_size, bias_correction2_sqrt, HAS_DIVISOR: tl.constexpr, HAS_MASTER: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, master_ptr, divisor_ptr, skip_ptr, n, lr, beta1, beta2, eps,
+                      decay, step_size, bias_correction2_sqrt, HAS_DIVISOR: tl.constexpr, HAS_SKIP: tl.constexpr,
+                      HAS_MASTER: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if HAS_SKIP:  # a step on gradients that are not finite reads and writes nothing
+            n = tl.where(tl.load(skip_ptr) == 0, n, 0)
         keep = offs < n
         g = tl.load(g_ptr + offs, mask=keep, other=0.0).to(tl.float32)
         if HAS_DIVISOR:
@@ -93,7 +95,8 @@ class TritonAdamW(torch.optim.AdamW):
     TRITON_INTERPRET=1). Weights are float32, or bf16 with a float32 master here once
     `lower_precision` made them so; gradients have the weight's dtype. A `grad_scale` attribute set
     before `step` divides every gradient as it is read (what `clipped_step` sets for the clip), as
-    torch's fused AdamW divides by it. `block` and `num_warps` are the kernel's launch settings
+    torch's fused AdamW divides by it, and a nonzero `found_inf` (a device tensor) makes the step
+    write nothing, as there. Unlike torch's, the step count (kept on the host) still advances then. `block` and `num_warps` are the kernel's launch settings
     (elements per program, warps per program: what bench/optimizer.py compares); `block` None is
     BLOCK on a GPU and INTERPRETER_BLOCK under the interpreter."""
 
@@ -150,6 +153,7 @@ class TritonAdamW(torch.optim.AdamW):
         loss = closure() if closure is not None else None
         interpret = require_triton(_WHO, "use torch.optim.AdamW")
         divisor = getattr(self, "grad_scale", None)
+        skip = getattr(self, "found_inf", None)
         block = self.block or (INTERPRETER_BLOCK if interpret else BLOCK)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -174,10 +178,11 @@ class TritonAdamW(torch.optim.AdamW):
                 with on_device_of(p):
                     _build_kernel(interpret)[(triton_cdiv(p.numel(), block),)](
                         p, p.grad, state["exp_avg"], state["exp_avg_sq"], p if master is None else master,
-                        divisor if divisor is not None else p,
+                        divisor if divisor is not None else p, skip if skip is not None else p,
                         p.numel(), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["lr"] / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
-                        HAS_DIVISOR=divisor is not None, HAS_MASTER=master is not None, BLOCK=block,
+                        HAS_DIVISOR=divisor is not None, HAS_SKIP=skip is not None, HAS_MASTER=master is not None,
+                        BLOCK=block,
                         num_warps=self.num_warps)
         return loss
 

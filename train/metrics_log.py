@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ Mark = torch.cuda.Event | float  # a point in the run: a device event, or host t
 
 @dataclass
 class _Queued:
-    stats: torch.Tensor  # [loss, slot accuracies..., stop flag], on the host once `ready` has completed
+    stats: torch.Tensor  # [loss, slot accuracies..., skipped steps, run of skips, stop flag], on the host once `ready` has completed
     ready: torch.cuda.Event | None
     since: Mark
     until: Mark
@@ -56,27 +57,35 @@ class MetricsLog:
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
-            self._host = torch.empty(self.slots + 2, dtype=torch.float32, pin_memory=True)
+            self._host = torch.empty(self.slots + 4, dtype=torch.float32, pin_memory=True)
 
     def start(self) -> None:
         """The first window's start (later windows start where the one before ended)."""
         self._since = self._mark()
 
     def queue(self, window: list[dict[str, torch.Tensor]], tokens: int, stop_requested: bool,
-              row: dict[str, Any]) -> None:
-        """Average the window's step metrics ("loss", "acc" [B - 1]) and start their copy to the host.
-        `row` holds the host-side fields (step, epoch, lr, tokens_seen; any others are written as
-        they are). A row still queued is written first."""
+              row: dict[str, Any], skip_run: torch.Tensor | None = None) -> None:
+        """Average the window's step metrics ("loss", "acc" [B - 1]) over its steps that were not
+        skipped ("skipped": their gradients were not finite), count those, and start the copy to the
+        host; `skip_run` is how many steps in a row were skipped up to this one. `row` holds the
+        host-side fields (step, epoch, lr, tokens_seen; any others are written as they are). A row
+        still queued is written first."""
         self.write()
         dev = window[0]["loss"].device
-        # The flag by a fill, not a tensor from a list: that copies from pageable memory, which waits
+        skipped = torch.stack([w["skipped"] if "skipped" in w else torch.zeros((), dtype=torch.bool, device=dev)
+                               for w in window]).float()
+        kept = 1.0 - skipped
+        taken = kept.sum()  # an average over no step is NaN: the row then says null
+        # The flags by a fill, not a tensor from a list: that copies from pageable memory, which waits
         # for the device.
-        stats = torch.cat([torch.stack([w["loss"] for w in window]).mean()[None],
-                           torch.stack([w["acc"] for w in window]).mean(0).float(),
+        stats = torch.cat([(torch.stack([w["loss"] for w in window]).nan_to_num() * kept).sum()[None] / taken,
+                           (torch.stack([w["acc"] for w in window]).float() * kept[:, None]).sum(0) / taken,
+                           skipped.sum()[None],
+                           (skip_run.float() if skip_run is not None else torch.zeros((), device=dev))[None],
                            torch.full((1,), float(stop_requested), device=dev)])
         if self.world > 1:
             torch.distributed.all_reduce(stats)
-            stats[:-1] /= self.world
+            stats[:-1] /= self.world  # the skip counts too: every rank skips the same steps (all-reduced gradients)
             tokens *= self.world
         until, ready = self._mark(), None
         if self._host is not None:
@@ -95,16 +104,25 @@ class MetricsLog:
         if q.ready is not None:
             q.ready.synchronize()
         seconds = q.since.elapsed_time(q.until) / 1e3 if isinstance(q.until, torch.cuda.Event) else q.until - q.since
-        loss, acc, stop = float(q.stats[0]), q.stats[1:-1], bool(q.stats[-1] > 0)  # acc: slots 1..B-1
-        row = {"step": q.row["step"], "epoch": q.row["epoch"], "loss": loss, "lr": q.row["lr"],
-               "tau_hat": tau_hat(acc), "slot_acc": [round(float(a), 4) for a in acc],
+        loss, acc, stop = float(q.stats[0]), q.stats[1:-3], bool(q.stats[-1] > 0)  # acc: slots 1..B-1
+        skipped, skip_run = int(round(float(q.stats[-3]))), int(round(float(q.stats[-2])))
+        finite = math.isfinite(loss) and bool(torch.isfinite(acc).all())
+        row = {"step": q.row["step"], "epoch": q.row["epoch"], "loss": loss if finite else None, "lr": q.row["lr"],
+               "tau_hat": tau_hat(acc) if finite else None,
+               "slot_acc": [round(float(a), 4) for a in acc] if finite else None,
                "tokens_per_s": q.tokens / max(seconds, 1e-9), "tokens_seen": q.row["tokens_seen"]}
+        if skipped:  # steps whose gradients were not finite: no update, and left out of the averages
+            row |= {"skipped_steps": skipped, "skip_run": skip_run}
         row |= {k: v for k, v in q.row.items() if k not in row}  # the trainer's other fields (anchors_kept)
         if self.rank == 0:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", row["step"], loss,
-                     row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
+                f.write(json.dumps(row, allow_nan=False) + "\n")
+            if finite:
+                log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", row["step"], loss,
+                         row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
+            if skipped:
+                log.warning("step %d: %d of the last window's steps were skipped, their gradients not finite%s",
+                            row["step"], skipped, f" ({skip_run} in a row)" if skip_run > 1 else "")
         self.last = row
         return stop
 

@@ -62,24 +62,30 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
                                                  for g in grads]))
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> None:
+def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """One optimiser step on the gradients clipped to a total norm of `max_norm`, as
-    `clip_grad_norm_` clips them. A fused AdamW takes the clip as its `grad_scale` (the divisor
-    mixed-precision loss scaling hands it) and applies it as it reads each gradient, where
-    `clip_grad_norm_` first rewrites every gradient in a pass of its own (2.3 ms of a drafter step's
-    1.05B float32 gradients on an H200; the fused kernel's write-back of the unscaled gradients
-    takes back about 1.4 of it). The results agree to float32 rounding (g / (1 / c) against g * c)."""
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # torch's fused AdamW, TritonAdamW
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        return
+    `clip_grad_norm_` clips them, unless the gradients are not finite: then nothing changes (weights,
+    masters, moments) and the returned bool tensor is True. A fused AdamW takes the clip as its
+    `grad_scale` (the divisor mixed-precision loss scaling hands it) and applies it as it reads each
+    gradient, where `clip_grad_norm_` first rewrites every gradient in a pass of its own (2.3 ms of a
+    drafter step's 1.05B float32 gradients on an H200; the fused kernel's write-back of the unscaled
+    gradients takes back about 1.4 of it), and the skip as its `found_inf`, on the device, as loss
+    scaling does: no host sync. The results agree to float32 rounding (g / (1 / c) against g * c)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # not torch's fused AdamW nor TritonAdamW
+        skipped = ~torch.isfinite(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not bool(skipped):  # a host sync, on the CPU only
+            optimizer.step()
+        return skipped
     # clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1, as a divisor
     norm = total_grad_norm([p.grad for p in params if p.grad is not None])
+    skipped = ~torch.isfinite(norm)
     optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+    optimizer.found_inf = skipped.to(torch.float32)
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale
+        del optimizer.grad_scale, optimizer.found_inf
+    return skipped
 
 
 def warmup_cosine(step: int, total: int, warmup: int, floor: float = 0.0) -> float:

@@ -74,6 +74,9 @@ class TrainConfig:
                                                           "with this many tokens.")
     seed: int = option(0, min=0, help="Seeds the drafter's initial weights, the epoch order and the anchors.")
     save_every: int = option(500, min=1, help="Checkpoint every N steps (and at exit).")
+    nonfinite_limit: int = option(20, min=1, help="A step whose gradients are not finite (NaN or Inf) is skipped "
+                                                  "(no update) and counted; stop with an error after this many "
+                                                  "in a row.")
     keep_checkpoints: int = option(2, min=1, help="Newest checkpoints kept; older ones are deleted once a newer "
                                                   "one is complete.")
     log_every: int = option(10, min=1, help="Log loss, tau_hat and tokens/s every N steps (to the log and "

@@ -10,6 +10,7 @@ scheduler and optimizer state, and the RNG states; the source recomputes its pla
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -27,6 +28,7 @@ from dflash_cache.errors import UserError, compile_failure
 from dflash_cache.files import write_bytes_atomic
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
+from dflash_cache.store.lock import CacheLock
 from dflash_cache.train.anchors import Blocks, sample_anchors
 from dflash_cache.train.attention_kernels import choose_attention_kernels
 from dflash_cache.train.cache_source import CacheSource
@@ -158,6 +160,7 @@ class Trainer:
         # Anchors kept and offered over the steps since the last metrics row (`_window_fields`).
         self._anchors_kept = self._anchors_offered = 0
         self._warned_anchor_cap = False
+        self.skip_run: torch.Tensor | None = None  # steps skipped in a row (gradients not finite), on the device
         self.backend = "flex" if device.type == "cuda" else "dense"
         # The shapes every step is padded to when the layers are compiled (None: steps run as they come).
         self.shapes = self._plan_shapes() if self.compiled else None
@@ -245,6 +248,7 @@ class Trainer:
         """Checkpoint (all ranks call it; rank 0 writes), with every metrics row up to this step written."""
         if self._metrics is not None:
             self._metrics.write()
+        self._check_finite_weights()
         rng = self._rng_state()
         path = None
         if self.rank == 0:
@@ -395,15 +399,18 @@ class Trainer:
                                     anchor_padding=blocks.padding, rows=inputs.real_rows,
                                     row_padding=inputs.context.rows - inputs.real_rows)
         with self.profiler.device_span("optimizer.step", self._stream()):
-            clipped_step(self.optimizer, self.params, cfg.grad_clip)
+            skipped = clipped_step(self.optimizer, self.params, cfg.grad_clip)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        # steps skipped in a row, on the device: read at log steps only (MetricsLog)
+        self.skip_run = (self.skip_run + 1) * skipped if self.skip_run is not None else skipped.long()
         if blocks.prefix_keys is not None:
             self.profiler.add_flops(step_flops(self.drafter_cfg, context_tokens=batch.num_tokens,
                                                num_blocks=blocks.real_anchors, prefix_keys=blocks.prefix_keys,
                                                fewer_rows=self.fewer_rows).total)
         valid = blocks.weights[:, 1:] > 0
-        return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach()}
+        return {"loss": loss.detach(), "acc": slot_accuracy(correct.view(valid.shape), valid).detach(),
+                "skipped": skipped}
 
     def _stream(self) -> torch.cuda.Stream | None:
         # Device stages are timed on the device: the host runs ahead of the GPU, so host time would
@@ -556,10 +563,11 @@ class Trainer:
                     # The last log step's row, now that the device has finished it; with several
                     # ranks its stop flag is the only one (every rank writes it at the same step).
                     stop = metrics.write() or (interrupt.requested and self.world == 1)
-                    if metrics.last is not shown:
+                    if metrics.last is not shown and metrics.last["loss"] is not None:
                         bar.set_postfix(loss=f"{metrics.last['loss']:.3f}", tau=f"{metrics.last['tau_hat']:.2f}")
+                    self._stop_if_diverged(metrics.last)
                     if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                        metrics.queue(window, tok_window, interrupt.requested, self._window_fields())
+                        metrics.queue(window, tok_window, interrupt.requested, self._window_fields(), self.skip_run)
                         window, tok_window = [], 0
                     if stop:
                         path = self.save()
@@ -581,8 +589,9 @@ class Trainer:
             self.source.close()
             metrics.write_finishing()  # the queued step did complete, however the run ends
         if window:
-            metrics.queue(window, tok_window, False, self._window_fields())
+            metrics.queue(window, tok_window, False, self._window_fields(), self.skip_run)
         metrics.write()
+        self._stop_if_diverged(metrics.last)
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         if self.shapes is not None:
             record = self.shape_record
@@ -593,6 +602,25 @@ class Trainer:
         if self.rank == 0:
             export_drafter(self.model, self.drafter_cfg, self.out / "export")
         return metrics.last
+
+    def _last_checkpoint(self) -> str:
+        found = list_checkpoints(self.out / "checkpoints")
+        return f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
+
+    def _stop_if_diverged(self, row: dict[str, Any]) -> None:
+        """A UserError when the newest metrics row says --nonfinite-limit steps in a row were skipped."""
+        if row.get("skip_run", 0) >= self.cfg.nonfinite_limit:
+            raise UserError(f"{row['skip_run']} steps in a row up to step {row['step']} had gradients that are not "
+                            f"finite (each skipped); {self._last_checkpoint()}: check the data (`dflash-cache "
+                            "inspect --verify`), or train again with a lower --lr")
+
+    def _check_finite_weights(self) -> None:
+        """A UserError instead of writing weights that are not finite (a run that diverged)."""
+        values = [*self.model.parameters(), *getattr(self.optimizer, "master_weights", dict)().values()]
+        if not bool(torch.stack([torch.isfinite(v).all() for v in values]).all()):
+            raise UserError(f"at step {self.step} the drafter's weights are not finite (the run diverged), so they "
+                            f"are neither checkpointed nor exported; {self._last_checkpoint()}: train again with a "
+                            "lower --lr")
 
     def _log_startup(self, t_start: float, t_batch: float, warm_up: float | None) -> None:
         """Where start-up went: it can take minutes at scale (loading, the first read, compiling)."""
@@ -694,33 +722,24 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
-def check_writable(out: Path) -> None:
-    """Fail in a second, not after minutes of set-up, when --out cannot be written."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test.{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"--out {out} cannot be written ({e.strerror or e}); choose a writable directory") from None
-
-
 def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
     """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0)
     interval_from_env(cfg.profile_interval)  # a bad DFLASH_PROFILE_INTERVAL stops the run before it writes
-    if rank == 0:
-        check_writable(Path(cfg.out))
-    if world > 1:
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    try:
-        return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
-    finally:
+    # One run writes a run directory at a time; taking the lock fails in a second, not after minutes of
+    # set-up, when --out cannot be written, and a run refused before it wrote anything takes back the
+    # directory it made.
+    with CacheLock(Path(cfg.out), what="run directory") if rank == 0 else contextlib.nullcontext():
         if world > 1:
-            torch.distributed.destroy_process_group()
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        try:
+            return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
+        finally:
+            if world > 1:
+                torch.distributed.destroy_process_group()
 
 
 __all__ = ["Trainer", "lr_factor", "train"]

@@ -1,4 +1,5 @@
-"""An exclusive, advisory lock on a cache, so two extractions never write one cache at once.
+"""An exclusive, advisory lock on a cache, so two extractions never write one cache at once (and
+on a training run's directory, so two trainings never write one run).
 
 The lock is an flock on `root/.lock`. A run that is refused or fails leaves nothing behind: if it
 created the lock file (and the directory) itself, both are removed again on the way out. Because
@@ -21,11 +22,12 @@ LOCK_FILE = ".lock"
 class CacheLock:
     """`with CacheLock(root):` holds an flock on root/.lock; a second holder fails at once.
 
-    `flag` names the option that chose `root`, for the error messages (None: no option did)."""
+    `flag` names the option that chose `root`, for the error messages (None: no option did), and
+    `what` what `root` is."""
 
-    def __init__(self, root: Path, name: str = LOCK_FILE, *, flag: str | None = "--out") -> None:
+    def __init__(self, root: Path, name: str = LOCK_FILE, *, flag: str | None = "--out", what: str = "cache") -> None:
         self.path = root / name
-        self.flag = flag
+        self.flag, self.what = flag, what
         self._fd: int | None = None
         self._made_dir = False
         self._made_file = False
@@ -70,7 +72,8 @@ class CacheLock:
                 self._made_file = False  # someone else's file now
                 holder = self.path.read_text().strip() or "another process"
                 other = f" or choose another {self.flag}" if self.flag else ""
-                raise UserError(f"cache {self.path.parent} is being written by {holder}; wait for it to finish{other}") from None
+                raise UserError(f"{self.what} {self.path.parent} is being written by {holder}; wait for it to "
+                                f"finish{other}") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:

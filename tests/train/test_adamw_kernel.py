@@ -59,6 +59,24 @@ _SCRIPT = textwrap.dedent(
     torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict may share the tensors
     out["state dict"] = rel(train(model, opt, 1, 1.0, None, seed=2), train(twin, torch_opt, 1, 1.0, None, seed=2))
     out["grad_scale left behind"] = hasattr(opt, "grad_scale")
+    # A gradient that is not finite: the step is skipped, weights, masters and moments untouched.
+    model = make()
+    opt = TritonAdamW(groups(model), **kw)
+    opt.lower_precision([model[0].weight])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the lowered weight's forward and bf16 gradient
+        train(model, opt, 1, 1.0, 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    masters = [m.clone() for m in opt.master_weights().values()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 8)).float().sum().backward()
+    model[2].weight.grad[0, 0] = float("nan")
+    skipped = clipped_step(opt, list(model.parameters()), 1.0)
+    out["non-finite skipped"] = bool(skipped) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    out["non-finite moments kept"] = all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in
+                                         zip(model.parameters(), moments)) and \
+        all(torch.equal(a, b) for a, b in zip(opt.master_weights().values(), masters))
+    out["found_inf left behind"] = hasattr(opt, "found_inf")
     from tests.train.master_weight_checks import masters_against_fused_adamw
     out |= masters_against_fused_adamw("cpu")
     print("RESULTS " + json.dumps(out))
@@ -85,3 +103,10 @@ def test_state_dict_is_torch_adamws(interpreted):
 def test_master_weights_follow_fused_adamw_over_float32_weights(interpreted):
     assert interpreted["masters rel"] < 1e-6
     assert interpreted["masters rounded"] and interpreted["moments float32"]
+
+
+def test_a_non_finite_gradient_skips_the_step(interpreted):
+    """clipped_step says the gradients were not finite and the kernel writes nothing: weights, their
+    float32 masters and the moments are those before the step."""
+    assert interpreted["non-finite skipped"] and interpreted["non-finite moments kept"]
+    assert interpreted["found_inf left behind"] is False

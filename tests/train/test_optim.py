@@ -94,3 +94,22 @@ def test_loading_another_optimizers_state_keeps_the_fused_flag():
     assert all(g["fused"] for g in fused.param_groups)
     fused_model(torch.ones(2, 4)).sum().backward()
     clipped_step(fused, list(fused_model.parameters()), 1e-3)  # the clip applies: grad_scale is passed
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["clip then step", "fused"])
+def test_a_step_on_gradients_that_are_not_finite_is_skipped(fused):
+    """clipped_step returns whether the gradients were not finite (on the device, no host sync on
+    a GPU), and then leaves the weights and the optimiser's moments as they were."""
+    dev = "cuda" if fused and torch.cuda.is_available() else "cpu"
+    model = torch.nn.Linear(4, 3).to(dev)
+    opt = adamw(model, lr=1e-2, weight_decay=0.1, fused=fused)
+    model(torch.ones(2, 4, device=dev)).sum().backward()
+    assert not bool(clipped_step(opt, list(model.parameters()), 1.0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.ones(2, 4, device=dev)).sum().backward()
+    model.weight.grad[0, 0] = float("inf")
+    assert bool(clipped_step(opt, list(model.parameters()), 1.0))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments, strict=True))

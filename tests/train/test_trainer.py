@@ -243,7 +243,7 @@ def test_unwritable_out_fails_before_set_up(demo_cache, tmp_path):
     blocker.write_text("")
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out",
                                  str(blocker / "run"), "--max-steps", "1", "--device", "cpu", "--no-progress"])
-    assert r.exit_code == 2 and "cannot be written" in r.output, r.output
+    assert r.exit_code == 2 and "cannot write to" in r.output and "choose a writable --out" in r.output, r.output
 
 
 def test_a_run_shorter_than_the_profile_interval_still_reports_its_stages(demo_cache, tmp_path, caplog):
@@ -406,3 +406,70 @@ def test_gpu_sized_defaults_on_a_cpu_say_so_once_and_the_demo_does_not(demo_cach
                       device=torch.device("cpu"))
     assert len(caplog.messages) == 1 and "sized for GPUs" in caplog.messages[0], caplog.messages
     assert "--token-budget 2048 --num-anchors 16" in caplog.messages[0]
+
+
+def _strict_rows(out: Path) -> list[dict]:
+    """metrics.jsonl as strict JSON: a bare NaN or Infinity is an error."""
+    def refuse(constant):
+        raise ValueError(f"{constant} in metrics.jsonl")
+    return [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_batch_with_nan_features_is_a_skipped_step_not_a_nan_run(demo_cache, tmp_path):
+    """One batch's features hold a NaN (a damaged cache): its step is skipped (no update) and
+    counted, the rows average the other steps, and the run goes on to its export."""
+    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=6, log_every=3), device=torch.device("cpu"))
+    iterate = trainer.source.iterate
+
+    def with_a_nan(*args, **kwargs):
+        for i, (position, batch) in enumerate(iterate(*args, **kwargs)):
+            if i == 1:
+                batch.features[5, 3] = float("nan")
+            yield position, batch
+
+    trainer.source.iterate = with_a_nan
+    trainer.fit()
+    rows = _strict_rows(tmp_path)
+    assert [(r["step"], r.get("skipped_steps", 0)) for r in rows] == [(3, 1), (6, 0)], rows
+    assert all(r["loss"] is not None and r["loss"] > 0 for r in rows)
+    weights = load_file(tmp_path / "export" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_diverging_run_stops_in_one_line_and_never_saves_weights_that_are_not_finite(demo_cache, tmp_path):
+    """--lr 1e6 blows the weights up within a few steps: the run stops with exit status 2 and one
+    line naming the step and the last good checkpoint; no checkpoint or export holds non-finite
+    weights, and metrics.jsonl stays strict JSON."""
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path),
+                                 "--block-size", "8", "--draft-layers", "2", "--num-anchors", "16",
+                                 "--token-budget", "2048", "--lr", "1e6", "--max-steps", "60", "--log-every", "2",
+                                 "--save-every", "2", "--nonfinite-limit", "4", "--no-progress", "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    message = r.output.strip().splitlines()[-1]
+    assert message.startswith("Error: ") and ("not finite" in message) and "checkpoint" in message, r.output
+    _strict_rows(tmp_path)
+    for ckpt in (tmp_path / "checkpoints").glob("step_*"):
+        for f in ckpt.glob("*.safetensors"):
+            assert all(torch.isfinite(t).all() for t in load_file(f).values()), f
+    assert not (tmp_path / "export").exists()
+
+
+def test_two_runs_into_one_out_are_refused_in_one_line(demo_cache, tmp_path):
+    """While one `train` holds its run directory, a second into the same --out (a double --resume)
+    is refused at once with exit status 2, and writes nothing there."""
+    from dflash_cache.store.lock import CacheLock
+
+    out = tmp_path / "run"
+    with CacheLock(out, what="run directory"):  # what a running `train` holds
+        r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
+                                     "--max-steps", "2", "--resume", "--no-progress", "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert f"run directory {out} is being written by pid" in r.output and "Traceback" not in r.output, r.output
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_refused_run_leaves_no_out_directory(demo_cache, tmp_path):
+    out = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
+                                 "--max-steps", "2", "--block-size", "1000", "--no-progress", "--device", "cpu"])
+    assert r.exit_code == 2 and not out.exists(), r.output
