@@ -63,7 +63,12 @@ def extract(cfg: ExtractConfig, gpus: str) -> None:
     """Phase 1: run the target over a tokenized dataset and cache packed hidden states."""
     from dflash_cache.extract.run import extract as run_extract
 
-    run_extract(cfg, gpus, echo=click.echo)
+    try:
+        run_extract(cfg, gpus, echo=click.echo)
+    except KeyboardInterrupt:
+        click.echo("Interrupted: the committed segments are kept; run the same command again to finish the rest.",
+                   err=True)
+        sys.exit(130)
 
 
 @cli.command(cls=ConfigCommand, config="dflash_cache.extract.regenerate:RegenerateConfig")

@@ -10,6 +10,7 @@ only sets a flag: the trainer finishes the step in flight, saves at the step bou
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -29,6 +30,13 @@ class TrainingInterrupted(KeyboardInterrupt):
 class DeferredInterrupt:
     """`with DeferredInterrupt() as stop:` ... `if stop.requested:` save and leave.
 
+    Python runs a signal handler only between bytecodes of the main thread, so one inside a long
+    torch call (a CPU step's backward can take minutes) waits for the call to return. So the C-level
+    handler's wakeup byte (`signal.set_wakeup_fd`) is also read by a thread of its own, which answers
+    at once: the first signal is said on the terminal (what the run waits for), and a second ends the
+    process there and then with exit status 130, without saving: the last checkpoint stays the
+    resume point. The Python handler only sets the flag the trainer reads at step boundaries.
+
     Handlers are installed only in the main thread (signals are delivered there); elsewhere the
     context does nothing and a KeyboardInterrupt behaves as usual.
     """
@@ -36,6 +44,8 @@ class DeferredInterrupt:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._previous_wakeup: int | None = None
+        self._pipe: tuple[int, int] | None = None
 
     @property
     def requested(self) -> bool:
@@ -43,18 +53,51 @@ class DeferredInterrupt:
 
     def __enter__(self) -> DeferredInterrupt:
         if threading.current_thread() is threading.main_thread():
+            read_end, write_end = os.pipe()
+            os.set_blocking(write_end, False)
+            self._pipe = (read_end, write_end)
+            self._previous_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read_end,), name="dflash-interrupt", daemon=True).start()
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:  # the second one: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("%s received: finishing the current step, then saving a checkpoint "
-                    "(Ctrl-C again to stop at once without saving)", signal.Signals(signum).name)
+        if self.signum is None:
+            self.signum = signum
+
+    def _watch(self, read_end: int) -> None:
+        """The wakeup bytes, one per signal, as they arrive: say the first, end the process on the second."""
+        seen = 0
+        while True:
+            try:
+                data = os.read(read_end, 64)
+            except OSError:
+                return
+            if not data:  # the write end closed: the context ended
+                os.close(read_end)
+                return
+            for signum in data:
+                if signum not in SIGNALS:
+                    continue
+                seen += 1
+                name = signal.Signals(signum).name
+                if seen == 1:
+                    self.signum = self.signum or signum
+                    log.warning("%s received: finishing the current step, then saving a checkpoint (Ctrl-C again "
+                                "to stop at once without saving)", name)
+                else:
+                    log.warning("%s received again: stopping now without saving; --resume continues from the last "
+                                "checkpoint", name)
+                    logging.shutdown()
+                    os._exit(130)
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
+            read_end, write_end = self._pipe
+            os.close(write_end)  # the watcher reads end-of-file, closes the read end and returns
+            self._pipe = None

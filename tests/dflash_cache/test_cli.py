@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from dflash_cache.cli import cli
 
@@ -71,3 +72,17 @@ def test_every_option_of_every_command_has_help():
         for param in command.get_params(ctx):
             if isinstance(param, click.Option):
                 assert param.help, (name, param.opts)
+
+
+def test_ctrl_c_in_extract_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    """As `train` does: not click's bare `Aborted!` with exit status 1."""
+    import dflash_cache.extract.run as run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "extract", interrupted)
+    r = CliRunner().invoke(cli, ["extract", "--model", "tiny", "--data", "demo", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 130, r.output
+    assert r.output.strip() == ("Interrupted: the committed segments are kept; run the same command again to finish "
+                                "the rest."), r.output
