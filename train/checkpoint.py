@@ -55,6 +55,7 @@ class TrainerState:
     scheduler: dict[str, Any]
     optimizer_hparams: list[dict[str, Any]]
     version: int = STATE_VERSION
+    total_steps: int | None = None  # where the run's schedule ends (None: a checkpoint from before it was kept)
 
     @classmethod
     def from_json(cls, obj: Any, *, where: Path) -> TrainerState:

@@ -254,7 +254,7 @@ class Trainer:
         if self.rank == 0:
             state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
                                  tokens_seen=self.tokens_seen, world=self.world, run=self.run_identity(),
-                                 anchor_cap=self.max_anchors,
+                                 anchor_cap=self.max_anchors, total_steps=self.total_steps,
                                  scheduler=self.scheduler.state_dict(),
                                  optimizer_hparams=optimizer_hparams(self.optimizer))
             path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
@@ -286,6 +286,7 @@ class Trainer:
 
     def _restore_from(self, path: Path, state: TrainerState, rng: dict[str, torch.Tensor]) -> None:
         self.scheduler.load_state_dict(state.scheduler)
+        self._apply_changed_schedule(state)
         if self.cfg.max_anchors is None:  # the cap found at the start, unless less memory is free now
             self.max_anchors = min(self.max_anchors, state.anchor_cap)
         self.step, self.position, self.tokens_seen = state.step, Position(state.epoch, state.batch), state.tokens_seen
@@ -307,6 +308,22 @@ class Trainer:
                         self.total_steps)
         log.info("resumed from %s (step %d, epoch %d, batch %d of all ranks)", path, self.step, state.epoch,
                  state.batch)
+
+    def _apply_changed_schedule(self, state: TrainerState) -> None:
+        """Options of the schedule given anew on a resume take effect from the step it resumes, each
+        with a line saying so: a new --lr is the schedule's new peak (its shape kept), a new
+        --max-steps or --epochs its new end (self.total_steps, from this run's options)."""
+        old_lr = self.scheduler.base_lrs[0]
+        if old_lr != self.cfg.lr:
+            self.scheduler.base_lrs = [self.cfg.lr] * len(self.scheduler.base_lrs)
+            for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas, strict=True):
+                group["initial_lr"], group["lr"] = self.cfg.lr, self.cfg.lr * factor(self.scheduler.last_epoch)
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+            log.info("--lr %g applied on resume (the checkpoint's run had %g): from step %d the schedule "
+                     "continues with the new peak", self.cfg.lr, old_lr, state.step)
+        if state.total_steps is not None and state.total_steps != self.total_steps and state.world == self.world:
+            log.info("--max-steps/--epochs changed on resume: the schedule now ends at step %d (it ended at %d)",
+                     self.total_steps, state.total_steps)
 
     def _remaining_steps(self) -> int:
         """This rank's steps from the current position to the end of the last epoch."""

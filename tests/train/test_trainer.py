@@ -473,3 +473,20 @@ def test_a_refused_run_leaves_no_out_directory(demo_cache, tmp_path):
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
                                  "--max-steps", "2", "--block-size", "1000", "--no-progress", "--device", "cpu"])
     assert r.exit_code == 2 and not out.exists(), r.output
+
+
+def test_options_changed_on_resume_are_applied_and_said(demo_cache, tmp_path, caplog):
+    """`--resume --lr X` trains on at X from the step it resumes (the schedule's shape kept), and a
+    changed --max-steps moves the schedule's end; each says so in one line, none is dropped."""
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=8, log_every=2), device=torch.device("cpu")).fit()
+    before = _rows(tmp_path)[1]  # step 4, at the first run's own peak's schedule
+    with caplog.at_level("INFO", logger="dflash_cache.train.trainer"):
+        trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, log_every=2, lr=1e-5, resume=True),
+                                device=torch.device("cpu"))
+        trainer.fit()
+    lines = [m for m in caplog.messages if "on resume" in m]
+    assert any("--lr 1e-05" in m and "0.003" in m for m in lines), caplog.messages
+    assert any("ends at step 12" in m and "8" in m for m in lines), caplog.messages
+    first = next(r for r in _rows(tmp_path) if r["step"] > 8)
+    expected = 1e-5 * lr_factor(first["step"], 12, trainer.cfg.warmup_ratio)
+    assert first["lr"] == pytest.approx(expected, rel=1e-6) and before["lr"] > 1e-4
