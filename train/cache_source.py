@@ -102,7 +102,9 @@ class CacheSource:
                 name, lo = str(self._segment[r]), int(self._offset[r])
                 hi = lo + int(self.table.lengths[r])
                 for key in parts:
-                    parts[key].append(self.reader.read_array(name, key, lo, hi))
+                    parts[key].append(self.reader.read_array(name, key, lo, hi, check_unchanged=False))
+            for name in {str(self._segment[r]) for r in rows}:  # once a segment, after its last read
+                self.reader.check_unchanged(name)
             packed = HostBatch.pack(parts.pop("input_ids"), parts.pop("loss_mask"), self.table.sample_ids[rows],
                                     allocate=buffers)
             for key, arrays in parts.items():

@@ -212,7 +212,7 @@ def _run_layer(layer: DFlashLayer, x, context, rope, mask, flex_fn, distinct_row
 
 
 def dynamic_shape_options() -> dict:
-    """Inductor settings for the dynamic-shape graphs: torch 2.10-2.11's mix-order reduction (the
+    """Inductor settings for the dynamic-shape graphs: torch 2.11's mix-order reduction (the
     RMSNorm backward's row and column sums in one kernel) sizes its workspace inconsistently under
     symbolic sizes, and the drafter's backward failed with `shape '[N, 128]' is invalid` on mixed
     lengths (bench/repro_dynamic_shapes.py). Static-shape graphs keep it."""

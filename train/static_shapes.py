@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_cache.errors import UserError, compile_failure
 from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
 from dflash_cache.train.anchors import anchors_at_most
 from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
@@ -197,8 +198,6 @@ class ShapeRecord:
         kernel at run time. The failure is logged once with the shape and the torch version, and
         `undo()` drops what the attempt left (gradients) so the caller can run the step eagerly.
         Out-of-memory errors, interrupts and user errors are no compile failures and propagate."""
-        from dflash_cache.errors import UserError, compile_failure
-
         try:
             return step()
         except (torch.OutOfMemoryError, UserError):

@@ -345,8 +345,9 @@ class CacheReader:
         with self._lock:
             self._checked[rec.name] = stamp
 
-    def _check_unchanged(self, name: str) -> None:
-        """CacheCorruptError if the segment's commit record is not the one it had when checked."""
+    def check_unchanged(self, name: str) -> None:
+        """CacheCorruptError if the segment's commit record is not the one it had when checked (a stat:
+        callers reading many rows of one segment check once, after the last)."""
         with self._lock:
             stamp = self._checked.get(name)
         if stamp is not None and self.location.commit_stamp(name) != stamp:
@@ -378,11 +379,14 @@ class CacheReader:
             raise CacheCorruptError(f"segment {rec.name}: array {key} changed while it was being read")
         return arr
 
-    def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    def read_array(self, name: str, key: str, start: int | None = None, stop: int | None = None, *,
+                   check_unchanged: bool = True) -> np.ndarray:
         """Rows start:stop of one array of a committed segment, decoded; an error naming the segment
-        if it cannot be, or if the segment changed on disk since this reader checked it."""
+        if it cannot be, or (unless the caller checks later: `check_unchanged`) if the segment changed
+        on disk since this reader checked it."""
         values = self._values(self._array(name, key), name, key, start, stop)
-        self._check_unchanged(name)
+        if check_unchanged:
+            self.check_unchanged(name)
         return values
 
     def _values(self, arr: zarr.Array, name: str, key: str, start: int | None = None,

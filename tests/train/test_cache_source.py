@@ -99,3 +99,24 @@ def test_manifest_mismatch_names_the_field(small_cache):
                          ("target_config_hash", "other")):
         with pytest.raises(UserError, match=field.replace("target_", "target.").replace("vocab_size", "target.vocab_size")):
             check_manifest(m, **{**ok, field: value})
+
+
+def test_a_cache_made_again_under_the_source_stops_it(small_cache, tmp_path):
+    """The source checks each segment of a batch once, after its reads: commit records replaced
+    since the first epoch (the cache made again at the same path) stop the second epoch."""
+    import shutil
+
+    from dflash_cache.errors import CacheCorruptError
+
+    root = tmp_path / "cache"
+    shutil.copytree(small_cache, root)
+    source = CacheSource(CacheReader(root), SourceConfig(token_budget=300, min_supervised=1, prefetch=1,
+                                                         read_threads=1), device=torch.device("cpu"))
+    n = source.batches_per_epoch()
+    assert len(list(source.iterate(Position(0, 0), epochs=1))) == n
+    for record in (root / "commits").glob("*.json"):
+        text = record.read_text()
+        record.unlink()
+        record.write_text(text)
+    with pytest.raises(CacheCorruptError, match="changed .*while it was being read"):
+        list(source.iterate(Position(1, 0), epochs=2))

@@ -216,7 +216,7 @@ def test_compiled_training_follows_eager_training(demo_cache, tmp_path):
     losses, static_steps = [], []
     for compiled in (True, False):
         out = tmp_path / f"run-{compiled}"
-        # An anchor cap the demo batches reach, so most steps take the static-shape graph.
+        # Every compiled step runs a static shape; --no-compile runs none.
         cfg = demo_train_config(demo_cache, out, max_steps=12, log_every=1, compile=compiled, max_anchors=16)
         trainer = Trainer.build(cfg, device=torch.device("cuda"))
         trainer.fit()
