@@ -36,17 +36,17 @@ demo:
 lint:
     ruff check .
 
-# GPU benchmark of phase 1 (an NVIDIA GPU; see bench/extract.py --help).
+# GPU benchmark of phase 1 (an NVIDIA GPU; see python3 -m bench.extract --help).
 bench-extract *args:
-    python3 bench/extract.py {{args}}
+    python3 -m bench.extract {{args}}
 
-# GPU benchmark of phase 2 (an NVIDIA GPU; see bench/train.py --help).
+# GPU benchmark of phase 2 (an NVIDIA GPU; see python3 -m bench.train --help).
 bench-train *args:
-    python3 bench/train.py {{args}}
+    python3 -m bench.train {{args}}
 
-# GPU benchmark of train --live against each half alone and against offline (see bench/live.py --help).
+# GPU benchmark of train --live against each half alone and against offline (see python3 -m bench.live --help).
 bench-live *args:
-    python3 bench/live.py {{args}}
+    python3 -m bench.live {{args}}
 
 # Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m tools.tiny_pretrain --help).
 pretrain-tiny *args:
@@ -56,10 +56,10 @@ pretrain-tiny *args:
 demo-rows:
     python3 -m dflash_cache.extract.demo
 
-# GPU benchmark of phase 2's memory model against measured peaks (an NVIDIA GPU; see bench/memory.py --help).
+# GPU benchmark of phase 2's memory model against measured peaks (an NVIDIA GPU; see python3 -m bench.memory --help).
 bench-memory *args:
-    python3 bench/memory.py {{args}}
+    python3 -m bench.memory {{args}}
 
-# GPU benchmark over every GPU of one host: extract, DDP train and live against one GPU (see bench/multi_gpu.py --help).
+# GPU benchmark over every GPU of one host: extract, DDP train and live against one GPU (see python3 -m bench.multi_gpu --help).
 bench-multi *args:
-    python3 bench/multi_gpu.py {{args}}
+    python3 -m bench.multi_gpu {{args}}

@@ -16,20 +16,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import start_logging_and_device, timed  # noqa: E402
-from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
-from bench.range_attention import KernelConfig, plan_ranges, range_attention  # noqa: E402
-from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens  # noqa: E402
-from dflash_cache.train.anchors import sample_anchors  # noqa: E402
-from dflash_cache.train.masks import _KeyRanges, _mask_mod, build_masks, context_doc_pos  # noqa: E402
+from bench.common import start_logging_and_device, timed
+from bench.gpu_clocks import ClockSampler, describe
+from bench.range_attention import KernelConfig, plan_ranges, range_attention
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
+from dflash_cache.train.anchors import sample_anchors
+from dflash_cache.train.masks import _KeyRanges, _mask_mod, build_masks, context_doc_pos
 
 SETTINGS: dict[str, dict] = {
     "default": {},
@@ -148,7 +144,8 @@ def check_against_flex(name: str, forward, inputs, grad_out, q, k, v, mask, devi
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="a shrunken case on the CPU (forward only)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated names from: "

@@ -8,7 +8,7 @@ verify forwards they needed; its 95% interval comes from resampling the prompts 
 the decoding noise; retraining a drafter with another seed varies it too. Runs on a CPU (minutes);
 pass --target/--data for a real target on a GPU.
 
-    python bench/codec_study.py [--steps 200] [--prompts 8] [--out /tmp/dflash-codec-study]
+    python3 -m bench.codec_study [--steps 200] [--prompts 8] [--out /tmp/dflash-codec-study]
 """
 
 from __future__ import annotations
@@ -17,26 +17,23 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cache.extract.config import ExtractConfig  # noqa: E402
-from dflash_cache.extract.run import extract  # noqa: E402
-from dflash_cache.extract.target import TargetSpec, describe_target, load_target  # noqa: E402
-from dflash_cache.logs import setup_logging  # noqa: E402
-from dflash_cache.store.plan import PlanConfig  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.report import summarize  # noqa: E402
-from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
-from dflash_cache.train.export import drafter_from_export  # noqa: E402
-from dflash_cache.train.run_config import TrainConfig  # noqa: E402
-from dflash_cache.train.speculative import evaluate, load_prompts  # noqa: E402
-from dflash_cache.train.trainer import Trainer  # noqa: E402
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.run import extract
+from dflash_cache.extract.target import TargetSpec, describe_target, load_target
+from dflash_cache.logs import setup_logging
+from dflash_cache.store.plan import PlanConfig
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import summarize
+from dflash_cache.train.drafter import FrozenTargetHead
+from dflash_cache.train.export import drafter_from_export
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.speculative import evaluate, load_prompts
+from dflash_cache.train.trainer import Trainer
 
 
 def relative_error(reader: CacheReader, reference: CacheReader) -> float:
@@ -60,7 +57,8 @@ def paired_ratio_interval(base_steps: list[int], steps: list[int], resamples: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="tiny")
     ap.add_argument("--data", default="demo")
     ap.add_argument("--codecs", default="none,bf16,fp8,fp4")

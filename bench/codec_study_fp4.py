@@ -6,14 +6,13 @@ on synthetic [T, 5*4096] features with planted outlier channels, and on the tiny
 features of a few demo rows. Bytes are what Blosc(zstd) makes of each stored array with the
 shuffle its ArraySpec declares (as the store writes it; CRC32C's 4 bytes per chunk left out).
 
-    python bench/codec_study_fp4.py [--tokens 256] [--rows 16] [--json PATH]
+    python3 -m bench.codec_study_fp4 [--tokens 256] [--rows 16] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,10 +20,8 @@ import numpy as np
 import torch
 from numcodecs import Blosc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cache.store.codecs import ArraySpec, get_codec, to_stored_numpy  # noqa: E402
-from dflash_cache.store.fp4 import Fp4Config, dequantize_fp4, fp4_arrays, quantize_fp4  # noqa: E402
+from dflash_cache.store.codecs import ArraySpec, get_codec, to_stored_numpy
+from dflash_cache.store.fp4 import Fp4Config, dequantize_fp4, fp4_arrays, quantize_fp4
 
 N_LAYERS = 5
 MASK_TOP = 8  # channels per token and layer left out of the "rest" error (the largest |x|)
@@ -167,7 +164,8 @@ def feature_sets(args: argparse.Namespace) -> list[tuple[str, Callable[[], torch
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_feature_args(ap, tokens=256)
     args = ap.parse_args()
     torch.set_num_threads(2)

@@ -15,7 +15,7 @@ and over the same batches, it times:
   * the cut forward again at the end, to show drift.
 
 Reports tok/s, extract / cut-forward ratio, and bytes/token on disk. Run on a GPU machine:
-    python bench/extract.py [--target qwen3-8b|qwen3.5-27b] [--tokens 400000] [--codecs none,bf16,fp8]
+    python3 -m bench.extract [--target qwen3-8b|qwen3.5-27b] [--tokens 400000] [--codecs none,bf16,fp8]
 `--small` shrinks the model so the script itself can be checked on a CPU.
 """
 
@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -33,23 +32,21 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import add_common_args, start_logging_and_device  # noqa: E402
-from dflash_cache.extract.capture import run_backbone  # noqa: E402
-from dflash_cache.extract.dataset import from_table  # noqa: E402
-from dflash_cache.extract.pipeline import RankExtractor, layout_batch  # noqa: E402
-from dflash_cache.extract.planning import make_plan  # noqa: E402
-from dflash_cache.extract.target import (  # noqa: E402
+from bench.common import add_common_args, start_logging_and_device
+from dflash_cache.extract.capture import run_backbone
+from dflash_cache.extract.dataset import from_table
+from dflash_cache.extract.pipeline import RankExtractor, layout_batch
+from dflash_cache.extract.planning import make_plan
+from dflash_cache.extract.target import (
     HYBRID_KERNELS,
     decoder_of,
     has_linear_attention,
     select_layers,
     warn_if_slow_hybrid,
 )
-from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
 
 # Share of rows per bucket of DEFAULT_BUCKETS (last bucket capped at 8192 tokens).
 BUCKET_MIX = (0.30, 0.20, 0.18, 0.14, 0.10, 0.08)
@@ -152,7 +149,8 @@ def _ratio(value: float | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="tokens per timed pass")
     ap.add_argument("--codecs", default="none,bf16,fp8")
     ap.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="the target's shape")

@@ -18,7 +18,7 @@ rows and (c) random-weight Qwen3-8B-shaped hidden states of layers 1, 9, 17, 25,
 weights as transformers initialises them; built one layer at a time, ~90 s per 1,024 tokens on 2
 CPU cores; `--qwen3-tokens 0` skips it).
 
-    python bench/fp4_size.py [--tokens 1024] [--rows 16] [--qwen3-tokens 1024] [--codec-only] [--json PATH]
+    python3 -m bench.fp4_size [--tokens 1024] [--rows 16] [--qwen3-tokens 1024] [--codec-only] [--json PATH]
 
 First, for each feature set, what `--codec fp4` stores (each array of `FP4_LAYOUT` as extraction
 writes it); `--codec-only` stops there.
@@ -43,12 +43,10 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.storage import LocalStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.codec_study_fp4 import N_LAYERS, add_feature_args, errors, feature_sets  # noqa: E402
-from dflash_cache.extract.target import select_layers  # noqa: E402
-from dflash_cache.store.codecs import to_stored_numpy  # noqa: E402
-from dflash_cache.store.fp4 import (  # noqa: E402
+from bench.codec_study_fp4 import N_LAYERS, add_feature_args, errors, feature_sets
+from dflash_cache.extract.target import select_layers
+from dflash_cache.store.codecs import to_stored_numpy
+from dflash_cache.store.fp4 import (
     FP4_LAYOUT,
     Fp4Config,
     dequantize_fp4,
@@ -59,7 +57,7 @@ from dflash_cache.store.fp4 import (  # noqa: E402
     unxor_layer_signs,
     xor_layer_signs,
 )
-from dflash_cache.store.segments import chunk_rows, write_array  # noqa: E402
+from dflash_cache.store.segments import chunk_rows, write_array
 
 QWEN3_SEQ = 512
 PLAIN_LAYOUT = dataclasses.replace(FP4_LAYOUT, sign_xor=False, per_layer=False)  # what every re-encoding starts from
@@ -419,7 +417,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_feature_args(ap, tokens=1024)
     ap.add_argument("--qwen3-tokens", type=int, default=1024,
                     help="random-weight Qwen3 tokens, in whole 512-token sequences (0: skip)")
@@ -448,7 +447,8 @@ def main() -> None:
         print(f"| {r['features']} | " + " | ".join(f"{r['arrays'][k]:,.1f}" for k in keys)
               + f" | {r['bytes_per_token']:,.0f} |")
     if args.json:
-        meta = {"command": " ".join(["python", *sys.argv]), "blosc": numcodecs.blosc.VERSION_STRING,
+        command = " ".join(["python3", "-m", __spec__.name, *sys.argv[1:]])  # as run: from the repository root
+        meta = {"command": command, "blosc": numcodecs.blosc.VERSION_STRING,
                 "blosc_threads": numcodecs.blosc.get_nthreads(), "codec": codec_rows, "rows": rows}
         Path(args.json).write_text(json.dumps(meta, indent=1) + "\n")
 

@@ -21,43 +21,41 @@ import argparse
 import itertools
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     add_common_args,
     bench_drafter_config,
     commit_synthetic_manifest,
     start_logging_and_device,
 )
-from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
-from bench.train import LAYER_IDS, shapes, sync, timed_steps  # noqa: E402
-from dflash_cache.extract.capture import HiddenStateCapture  # noqa: E402
-from dflash_cache.extract.dataset import from_table  # noqa: E402
-from dflash_cache.extract.pipeline import RankExtractor  # noqa: E402
-from dflash_cache.extract.planning import make_plan  # noqa: E402
-from dflash_cache.extract.target import decoder_of  # noqa: E402
-from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.store.manifest import PlanParams  # noqa: E402
-from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
-from dflash_cache.train.assemble import source_config  # noqa: E402
-from dflash_cache.train.cache_source import CacheSource  # noqa: E402
-from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
-from dflash_cache.train.epoch_plan import Position  # noqa: E402
-from dflash_cache.train.live_source import LiveSource, live_sample_table  # noqa: E402
-from dflash_cache.train.run_config import TrainConfig  # noqa: E402
-from dflash_cache.train.trainer import Trainer  # noqa: E402
+from bench.extract import build_model, qwen3_8b_config, synthetic_rows
+from bench.train import LAYER_IDS, shapes, sync, timed_steps
+from dflash_cache.extract.capture import HiddenStateCapture
+from dflash_cache.extract.dataset import from_table
+from dflash_cache.extract.pipeline import RankExtractor
+from dflash_cache.extract.planning import make_plan
+from dflash_cache.extract.target import decoder_of
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.manifest import PlanParams
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
+from dflash_cache.train.assemble import source_config
+from dflash_cache.train.cache_source import CacheSource
+from dflash_cache.train.drafter import FrozenTargetHead
+from dflash_cache.train.epoch_plan import Position
+from dflash_cache.train.live_source import LiveSource, live_sample_table
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.trainer import Trainer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400_000, help="dataset size")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per measurement")
     ap.add_argument("--token-budget", type=int, default=12288)

@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cache.train.flops import device_peak_flops  # noqa: E402
+from dflash_cache.train.flops import device_peak_flops
 
 
 def forms(hidden: torch.Tensor, grad_logits: torch.Tensor, head: torch.Tensor) -> dict:
@@ -41,7 +39,8 @@ def forms(hidden: torch.Tensor, grad_logits: torch.Tensor, head: torch.Tensor) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rows", default="2048,3840,4096,7680,15360", help="chunk heights to time")

@@ -15,25 +15,22 @@ import argparse
 import gc
 import itertools
 import json
-import sys
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dflash_cache.train.trainer  # noqa: E402
-from bench.common import add_common_args, bench_drafter_config, start_logging_and_device  # noqa: E402
-from bench.train import LAYER_IDS, add_drafter_arg, shapes, stepping, write_cache  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.train.assemble import source_config  # noqa: E402
-from dflash_cache.train.cache_source import CacheSource  # noqa: E402
-from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
-from dflash_cache.train.epoch_plan import Position  # noqa: E402
-from dflash_cache.train.memory import GIB, step_memory  # noqa: E402
-from dflash_cache.train.run_config import TrainConfig  # noqa: E402
-from dflash_cache.train.trainer import Trainer  # noqa: E402
+import dflash_cache.train.trainer
+from bench.common import add_common_args, bench_drafter_config, start_logging_and_device
+from bench.train import LAYER_IDS, add_drafter_arg, shapes, stepping, write_cache
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.train.assemble import source_config
+from dflash_cache.train.cache_source import CacheSource
+from dflash_cache.train.drafter import FrozenTargetHead
+from dflash_cache.train.epoch_plan import Position
+from dflash_cache.train.memory import GIB, step_memory
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.trainer import Trainer
 
 # (token budget, anchors per batch); the last has few anchors for its context, where the features of
 # the batch and of the one prepared ahead weigh most.
@@ -72,7 +69,8 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="steps per point (the first compiles)")
     ap.add_argument("--emulate-gib", type=float, default=80.0, help="GPU size the defaults run is limited to")
     ap.add_argument("--skip-points", action="store_true", help="only the defaults run")

@@ -35,12 +35,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import add_common_args  # noqa: E402
-from bench.extract import build_model, qwen3_8b_config, synthetic_rows  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.report import verify  # noqa: E402
+from bench.common import add_common_args
+from bench.extract import build_model, qwen3_8b_config, synthetic_rows
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.report import verify
 
 RANK_LINE = re.compile(r"rank (\d+): \d+ segments, (\d+) tokens in ([\d.]+)s")
 CLI = [sys.executable, "-m", "dflash_cache.cli"]
@@ -218,7 +216,8 @@ def report(results: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=800_000)
     ap.add_argument("--steps", type=int, default=30, help="training steps per run (logged in 3 windows)")
     ap.add_argument("--log-every", type=int, default=None, help="train stage: steps per logged window (default: a third)")

@@ -13,7 +13,7 @@ Without --url the S3 server is moto's, started on this machine: that measures th
 (s3fs, HTTP; a segment fetched whole by concurrent requests) with a Python server behind it, not a cloud bucket. With --url
 s3://bucket/prefix (credentials and AWS_ENDPOINT_URL from the environment) it measures that bucket.
 
-    python bench/object_store.py [--tokens 40000] [--codec fp8] [--threads 4] [--url s3://b/p]
+    python3 -m bench.object_store [--tokens 40000] [--codec fp8] [--threads 4] [--url s3://b/p]
 
 With --url, the written copies go to the prefix's sibling `<prefix>-written` (replaced).
 """
@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,14 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import add_common_args, start_logging_and_device  # noqa: E402
-from bench.train import drop_page_cache, write_cache  # noqa: E402
-from dflash_cache.store.codecs import numpy_to_torch  # noqa: E402
-from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create  # noqa: E402
+from bench.common import add_common_args, start_logging_and_device
+from bench.train import drop_page_cache, write_cache
+from dflash_cache.store.codecs import numpy_to_torch
+from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create
 
 
 def read_all(spec: str, threads: int) -> tuple[float, int, int]:
@@ -103,7 +100,8 @@ def start_moto() -> object:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=40_000, help="tokens in the synthetic cache")
     ap.add_argument("--codec", default="fp8")
     ap.add_argument("--threads", type=int, default=4, help="reader threads (train --read-threads) and writer threads (extract --writers)")

@@ -15,20 +15,18 @@ so that each element also takes one exp instead of two. The wait relies on the p
 being consecutive programs, hence resident together. The interpreter runs programs one after
 another, so there the publishing and the finishing run as two launches of the same kernel.
 
-`TRITON_INTERPRET=1 python3 bench/one_read_loss.py` checks it against the torch loss on a CPU.
+`TRITON_INTERPRET=1 python3 -m bench.one_read_loss` checks it against the torch loss on a CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash_cache.triton_support import check_triton_device, on_device_of, require_triton  # noqa: E402
+from dflash_cache.triton_support import check_triton_device, on_device_of, require_triton
 
 _WHO = "one-read loss kernel"
 SEGMENT = 16384
@@ -153,4 +151,6 @@ def check_against_torch() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     check_against_torch()

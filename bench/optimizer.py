@@ -12,18 +12,14 @@ TRITON_INTERPRET=1 to check the script.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import bench_drafter_config, start_logging_and_device, timed  # noqa: E402
-from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS, TritonAdamW  # noqa: E402
-from dflash_cache.train.drafter import init_drafter  # noqa: E402
-from dflash_cache.train.optim import BETAS, EPS, param_groups, total_grad_norm  # noqa: E402
-from dflash_cache.train.precision import linear_weights  # noqa: E402
+from bench.common import bench_drafter_config, start_logging_and_device, timed
+from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS, TritonAdamW
+from dflash_cache.train.drafter import init_drafter
+from dflash_cache.train.optim import BETAS, EPS, param_groups, total_grad_norm
+from dflash_cache.train.precision import linear_weights
 
 LAUNCHES = [(BLOCK, NUM_WARPS), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 
@@ -34,7 +30,8 @@ def multi_tensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="a shrunken drafter on the CPU (TRITON_INTERPRET=1)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()

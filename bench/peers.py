@@ -32,10 +32,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import start_logging_and_device  # noqa: E402
-from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
+from bench.common import start_logging_and_device
+from bench.gpu_clocks import ClockSampler, describe
 
 UNUSED_IMPORTS = ("openai", "datasets", "hs_connectors")  # imported by speculators' data pipeline only
 
@@ -146,7 +144,8 @@ def make_batch(s: dict, device: torch.device, step: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="small shapes on the CPU (checks the script)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation)")

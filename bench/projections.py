@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import start_logging_and_device, timed  # noqa: E402
-from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
+from bench.common import start_logging_and_device, timed
+from bench.gpu_clocks import ClockSampler, describe
 
 
 def pair_steps(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor) -> dict:
@@ -48,7 +45,8 @@ def pair_steps(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g1: torch.Te
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="small shapes on the CPU (checks the script)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)

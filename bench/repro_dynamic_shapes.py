@@ -76,7 +76,8 @@ def run_setting(name: str, batches: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--setting", choices=sorted(SETTINGS), default=None, help="(internal) run one setting here")
     ap.add_argument("--json", default=None)
@@ -85,7 +86,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_setting(args.setting, args.batches)), flush=True)
         return
     results = []
-    for name in SETTINGS:
+    for name in SETTINGS:  # the child inherits the working directory and PYTHONPATH that found `bench` here
         done = subprocess.run([sys.executable, "-m", "bench.repro_dynamic_shapes", "--setting", name, "--batches",
                                str(args.batches)], capture_output=True, text=True, env=os.environ.copy())
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -7,9 +7,12 @@ hold rows of 3,296-8,192 tokens. `seeds_mix_lengths` draws row lengths uniformly
 as many per bucket as make the real planner (`dflash_cache.extract.planning.make_plan`) reproduce
 those shares, within about half a point; each row then has a prompt of 10-30% of its tokens.
 Benchmarks measure speed on this mix, the data a user's run sees, rather than on equal lengths.
+`python3 -m bench.seeds_mix` prints the plan's shares for 400 extraction batches of the mix.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import pyarrow as pa
@@ -64,6 +67,8 @@ def seeds_mix_rows(extract_batches: int, vocab: int, seed: int = 0) -> pa.Table:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     mix = seeds_mix_lengths(400)
     print(f"{len(mix)} rows, {mix.sum():,} tokens; plan shares "
           f"{' '.join(f'{100 * s:.1f}%' for s in plan_shares(mix))} (seeds: "

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,37 +39,35 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     add_common_args,
     bench_drafter_config,
     commit_synthetic_manifest,
     start_logging_and_device,
 )
-from bench.gpu_clocks import ClockSampler, describe  # noqa: E402
-from bench.seeds_mix import prompt_lengths, seeds_mix_lengths  # noqa: E402
-from dflash_cache.profiler import StageProfiler  # noqa: E402
-from dflash_cache.store.batch import HostBatch  # noqa: E402
-from dflash_cache.store.codecs import get_codec  # noqa: E402
-from dflash_cache.store.manifest import PlanParams  # noqa: E402
-from dflash_cache.store.plan import PlannedBatch  # noqa: E402
-from dflash_cache.store.reader import CacheReader  # noqa: E402
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR  # noqa: E402
-from dflash_cache.store.writer import commit_segment  # noqa: E402
-from dflash_cache.train.anchors import sample_anchors  # noqa: E402
-from dflash_cache.train.assemble import source_config  # noqa: E402
-from dflash_cache.train.attention_kernels import flash_flex_attention  # noqa: E402
-from dflash_cache.train.cache_source import CacheSource  # noqa: E402
-from dflash_cache.train.drafter import FrozenTargetHead  # noqa: E402
-from dflash_cache.train.epoch_plan import Position  # noqa: E402
-from dflash_cache.train.flops import StepFlops, step_flops  # noqa: E402
-from dflash_cache.train.loss import LOSS_KERNELS  # noqa: E402
-from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments  # noqa: E402
-from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state  # noqa: E402
-from dflash_cache.train.precision import Precision  # noqa: E402
-from dflash_cache.train.run_config import TrainConfig  # noqa: E402
-from dflash_cache.train.trainer import Trainer  # noqa: E402
+from bench.gpu_clocks import ClockSampler, describe
+from bench.seeds_mix import prompt_lengths, seeds_mix_lengths
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.batch import HostBatch
+from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.manifest import PlanParams
+from dflash_cache.store.plan import PlannedBatch
+from dflash_cache.store.reader import CacheReader
+from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
+from dflash_cache.store.writer import commit_segment
+from dflash_cache.train.anchors import sample_anchors
+from dflash_cache.train.assemble import source_config
+from dflash_cache.train.attention_kernels import flash_flex_attention
+from dflash_cache.train.cache_source import CacheSource
+from dflash_cache.train.drafter import FrozenTargetHead
+from dflash_cache.train.epoch_plan import Position
+from dflash_cache.train.flops import StepFlops, step_flops
+from dflash_cache.train.loss import LOSS_KERNELS
+from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments
+from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state
+from dflash_cache.train.precision import Precision
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.trainer import Trainer
 
 LAYER_IDS = (1, 9, 17, 25, 33)
 SEEDS_TOKENS_PER_EXTRACT_BATCH = 43_500  # the seeds' mix under the default extraction plan (bench/seeds_mix.py)
@@ -289,7 +286,8 @@ def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int =
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=300_000, help="tokens in each synthetic cache")
     ap.add_argument("--steps", type=int, default=24, help="timed optimiser steps per measurement")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (resident, each cache), interleaved")
