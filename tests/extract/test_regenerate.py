@@ -1,10 +1,12 @@
 """`dflash-cache regenerate`: assistant turns replaced by the target's own greedy replies, turn by
 turn, batched; the output is a chat dataset the other commands read; bad input and failures leave
-no file behind."""
+no file behind; an existing output is replaced only with --overwrite, and a finished job is not redone."""
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +28,9 @@ EOT_ID = 0  # the tiny tokenizer's end of text, its template's end of an assista
 
 
 @pytest.fixture(scope="module")
-def regenerated(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
+def regenerated(tmp_path_factory) -> tuple[Path, list[list[dict]], RegenerateConfig]:
     """CHATS (one two-turn conversation, one single-turn) plus an unusable row, regenerated in one
-    batch of 4 rows (left padding); returns (output file, its conversations)."""
+    batch of 4 rows (left padding); returns (output file, its conversations, the config)."""
     root = tmp_path_factory.mktemp("regen")
     data = write_jsonl(root / "chat.jsonl", [*CHATS, [], CHATS[0]])
     out = root / "out" / "regen.jsonl"
@@ -40,14 +42,14 @@ def regenerated(tmp_path_factory) -> tuple[Path, list[list[dict]]]:
     rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
     assert (report.rows, report.dropped, len(rows)) == (len(CHATS) + 1, 1, len(CHATS) + 1)
     assert report.turns == sum(m["role"] == "assistant" for c in [*CHATS, CHATS[0]] for m in c)
-    return out, rows
+    return out, rows, cfg
 
 
 def test_each_assistant_turn_is_the_targets_greedy_reply_to_what_precedes_it(regenerated):
     """Checked one prompt at a time with the decoding eval uses (no padding, another code path): turn
     k is the target's greedy reply to the conversation up to it, earlier turns already regenerated;
     system and user turns are untouched."""
-    _, rows = regenerated
+    _, rows, _ = regenerated
     target = build_tiny_target().float()
     encoder = ChatSpec("tiny").load()
     originals = [*CHATS, CHATS[0]]
@@ -68,7 +70,7 @@ def test_each_assistant_turn_is_the_targets_greedy_reply_to_what_precedes_it(reg
 
 def test_the_output_is_a_chat_dataset(regenerated):
     """extract reads the file as chat rows: the loss mask covers the regenerated replies."""
-    out, rows = regenerated
+    out, rows, _ = regenerated
     dataset = open_dataset(str(out), chat=ChatSpec("tiny"))
     assert dataset.num_rows == len(rows)
     row = next(iter(dataset.read_rows(0, 1, max_len=None)))
@@ -142,3 +144,129 @@ def test_a_row_the_chat_template_refuses_is_dropped_not_a_crash(tmp_path):
     report = regenerate(cfg, torch.device("cpu"))
     assert (report.rows, report.dropped) == (1, 1)
     assert report.turns == sum(m["role"] == "assistant" for m in CHATS[0]) + 1  # the bad row's first turn ran
+
+
+def cli_args(cfg: RegenerateConfig) -> list[str]:
+    """The command line of `cfg` (its non-default options, as a user would type them)."""
+    args = ["regenerate", "--model", cfg.model, "--data", cfg.data, "--out", cfg.out, "--dtype", cfg.dtype,
+            "--max-new-tokens", str(cfg.max_new_tokens), "--batch-size", str(cfg.batch_size), "--no-progress"]
+    return args + (["--overwrite"] if cfg.overwrite else [])
+
+
+def forbid_loading_the_target(m: pytest.MonkeyPatch) -> None:
+    """Loading the target fails the test: what must be decided before that (slow) load is."""
+    m.setattr(regenerate_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+
+
+def test_an_existing_output_is_replaced_only_with_overwrite(tmp_path, monkeypatch):
+    """A file at --out that this job did not finish (the user's own, or one edited since) is refused
+    in one line naming it and --overwrite, before the target loads, leaving every file as it was;
+    with --overwrite it is replaced."""
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    out = tmp_path / "regen.jsonl"
+    out.write_text("my own file\n")
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=3, dtype="float32")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with monkeypatch.context() as m:
+        forbid_loading_the_target(m)
+        r = CliRunner().invoke(cli, cli_args(cfg))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    line = r.output.strip()
+    assert "\n" not in line and str(out) in line and "--overwrite" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and out.read_text() == "my own file\n"
+    r = CliRunner().invoke(cli, cli_args(replace(cfg, overwrite=True)))
+    assert r.exit_code == 0, r.output
+    assert [json.loads(line)["messages"][0] for line in out.read_text().splitlines()] == [c[0] for c in CHATS[1:]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "regen.jsonl", "regen.jsonl.done"]
+    with out.open("a") as f:  # edited after it was written: no longer what its record says
+        f.write(json.dumps({"messages": CHATS[0]}) + "\n")
+    r = CliRunner().invoke(cli, cli_args(cfg))
+    assert r.exit_code == 2 and "changed" in r.output and "--overwrite" in r.output, r.output
+
+
+def test_a_finished_job_is_not_redone(regenerated, monkeypatch):
+    """The same command again says in one line that the output is complete and exits 0 without
+    loading the target or touching a file; other settings are refused (not this job's output)."""
+    out, _, cfg = regenerated
+    forbid_loading_the_target(monkeypatch)
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.parent.iterdir()}
+    r = CliRunner().invoke(cli, cli_args(cfg))
+    assert r.exit_code == 0, r.output
+    assert r.output.count("\n") == 1 and "already complete" in r.output and str(out) in r.output, r.output
+    r = CliRunner().invoke(cli, cli_args(replace(cfg, overwrite=True)))
+    assert r.exit_code == 0 and "already complete" in r.output, r.output
+    r = CliRunner().invoke(cli, cli_args(replace(cfg, max_new_tokens=NEW_TOKENS + 1)))
+    assert r.exit_code == 2 and "max_new_tokens" in r.output and "--overwrite" in r.output, r.output
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.parent.iterdir()} == files
+
+
+def test_a_run_stopped_after_renaming_its_output_finishes_without_the_target(tmp_path, monkeypatch):
+    """Stopped between OUT's rename and its completion record: OUT is there without a record, its
+    parts still beside it. The same command (no --overwrite: this job's parts show it was allowed to
+    write OUT) finishes from the parts, without the target, and a third run has nothing to do."""
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=3, dtype="float32",
+                           progress=False)
+    import torch
+
+    real = regenerate_module.write_json_atomic
+
+    def stop_at_the_record(path, obj):
+        if path.name.endswith(".done"):
+            raise KeyboardInterrupt
+        real(path, obj)
+
+    with monkeypatch.context() as m:
+        m.setattr(regenerate_module, "write_json_atomic", stop_at_the_record)
+        with pytest.raises(KeyboardInterrupt):
+            regenerate(cfg, torch.device("cpu"))
+    written = out.read_bytes()
+    assert (tmp_path / "regen.jsonl.parts").is_dir() and not (tmp_path / "regen.jsonl.done").exists()
+    forbid_loading_the_target(monkeypatch)
+    report = regenerate(cfg, torch.device("cpu"))
+    assert (report.complete, report.rows, report.resumed_parts) == (False, 2, 1)
+    assert out.read_bytes() == written and not (tmp_path / "regen.jsonl.parts").exists()
+    assert regenerate(cfg, torch.device("cpu")).complete
+
+
+def test_progress_is_logged_during_the_first_batch(tmp_path, monkeypatch, caplog):
+    """Every decode step may report: the first line (rows done/total, tokens/s, ETA) comes before the
+    first batch has finished, so a long batch does not leave the log silent."""
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    monkeypatch.setattr(regenerate_module, "PROGRESS_FIRST_S", 0.0)
+    monkeypatch.setattr(regenerate_module, "PROGRESS_EVERY_S", 0.0)
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(tmp_path / "out.jsonl"), max_new_tokens=4,
+                           batch_size=len(CHATS), dtype="float32")
+    import torch
+
+    with caplog.at_level(logging.INFO, logger=regenerate_module.__name__):
+        regenerate(cfg, torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+    assert lines and lines[0].startswith(f"regenerate: 0/{len(CHATS)} rows") and "tok/s" in lines[0], lines
+    assert lines[-1].startswith(f"regenerate: {len(CHATS)}/{len(CHATS)} rows") and "<00:00" in lines[-1], lines
+    cfg = replace(cfg, out=str(tmp_path / "quiet.jsonl"), progress=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=regenerate_module.__name__):
+        regenerate(cfg, torch.device("cpu"))
+    assert not [r for r in caplog.records if r.getMessage().startswith("regenerate: ")]
+
+
+def test_another_jobs_parts_are_deleted_only_with_overwrite(tmp_path):
+    """Saved parts of other settings at OUT.parts are refused, naming the setting and --overwrite;
+    with --overwrite they are deleted and none of them ends up in OUT."""
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=3, part_rows=1,
+                           dtype="float32", progress=False)
+    import torch
+
+    parts = tmp_path / "regen.jsonl.parts"
+    parts.mkdir()
+    (parts / "params.json").write_text(json.dumps({"max_new_tokens": 99}))
+    (parts / "part-000000000000-000000000001.jsonl").write_text(json.dumps({"messages": CHATS[0]}) + "\n")
+    with pytest.raises(UserError, match="another data.*--overwrite"):
+        regenerate(cfg, torch.device("cpu"))
+    report = regenerate(replace(cfg, overwrite=True), torch.device("cpu"))
+    assert (report.rows, report.resumed_parts) == (2, 0) and not parts.exists()
+    assert [json.loads(line)["messages"][0] for line in out.read_text().splitlines()] == [c[0] for c in CHATS[1:]]
