@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.files import write_parquet_atomic
+from dflash_cache.files import ParquetLimits, write_parquet_atomic
 from dflash_cache.options import check_options, option
 from dflash_cache.store.location import Location
 from dflash_cache.store.manifest import Manifest, PlanParams
@@ -143,7 +143,15 @@ def deal(batches: Sequence[PlannedBatch], world: int) -> list[list[PlannedBatch]
     return [[batches[i] for i in sorted(share)] for share in shares]
 
 
-PLAN_COLUMNS = ("row", "unit", "batch", "bucket", "length")
+PLAN_SCHEMA = pa.schema([("row", pa.int64()), ("unit", pa.int32()), ("batch", pa.int32()), ("bucket", pa.int16()),
+                         ("length", pa.int32())])
+PLAN_COLUMNS = tuple(PLAN_SCHEMA.names)
+
+
+def plan_limits(manifest: Manifest) -> ParquetLimits:
+    """What plan.parquet may claim: the plan's columns, one row per sample the manifest plans."""
+    n = manifest.plan.num_samples
+    return ParquetLimits(PLAN_SCHEMA, n, f"the manifest plans {n} samples")
 
 
 def plan_from_columns(config: PlanConfig, num_rows: int, row: np.ndarray, unit: np.ndarray, batch: np.ndarray,
@@ -175,7 +183,7 @@ def write_plan_table(root: Path, plan: Plan) -> None:
 
 def read_plan(root: str | Path | Location, manifest: Manifest) -> Plan:
     """The plan a cache (a directory, a URL or a location) was made with, from plan.parquet and the manifest."""
-    t = read_parquet(root, PLAN_FILE)
+    t = read_parquet(root, PLAN_FILE, plan_limits(manifest))
     p = manifest.plan
     config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,
                         bucket_bounds=tuple(p.bucket_bounds))

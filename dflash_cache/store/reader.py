@@ -9,6 +9,12 @@ present in its shard's index): damage is an error naming the segment, never a bl
 allocation sized by a stranger. After that first look, a chunk file that vanishes or a commit
 record that is replaced (the cache deleted or made again under a training run) is such an error too.
 
+Memory is held to what the cache's bytes can stand for before it is allocated: a segment may
+decode to at most `MAX_EXPANSION` times its files, each chunk's Blosc header must claim exactly
+what its shape holds (numcodecs allocates what the header says), and plan.parquet and
+index.parquet are decoded only after their footers' row counts, columns and page sizes agree with
+the manifest and the records (`read_parquet_within`).
+
 A reader is shared by the trainer's prefetch threads: its caches of opened arrays and checked
 segments are guarded by a lock.
 """
@@ -22,7 +28,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +36,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import zarr
+from zarr.abc.store import RangeByteRequest
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.common import ZARR_JSON
 from zarr.storage import MemoryStore, WrapperStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.files import write_parquet_atomic
+from dflash_cache.files import ParquetClaimError, ParquetLimits, read_parquet_within, write_parquet_atomic
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
 from dflash_cache.store.location import LocalCache, Location, open_location
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.segments import (
     ArrayLayout,
+    ChunkCheck,
     SegmentRecord,
     array_problems,
+    expansion_problem,
     listing_problems,
     segment_layouts,
 )
@@ -60,31 +69,50 @@ DECODE_ERRORS = (ValueError, RuntimeError)
 
 
 class MissingChunk(Exception):
-    """A segment's chunk file that zarr asked for is not there (`_ChunksMustExist`)."""
+    """A segment's chunk file that zarr asked for is not there (`_SegmentStore`)."""
 
 
-class _ChunksMustExist(WrapperStore):
-    """A segment's store on which a missing chunk file raises MissingChunk: zarr itself reads a
-    missing chunk as the fill value, zeros. Every chunk of a committed segment was written (the
-    reader checked them once), except in the arrays `zero_arrays` that its record says are all
-    zeros (older writers skipped those); one gone since was deleted under the reader."""
+class ChunkClaim(Exception):
+    """A stored chunk claims to decode to more than its shape holds (`_SegmentStore`)."""
 
-    def __init__(self, store, zero_arrays: frozenset[str]) -> None:
+
+class _SegmentStore(WrapperStore):
+    """A segment's store that holds what zarr reads to the segment's layouts, as it reads it.
+
+    A missing chunk file raises MissingChunk: zarr itself reads a missing chunk as the fill value,
+    zeros. Every chunk of a committed segment was written (the reader checked them once), except
+    in arrays that its record says are all zeros (older writers skipped those); one gone since was
+    deleted under the reader. And each chunk's Blosc header must claim exactly what the chunk's
+    shape holds (`ChunkCheck`, from the array's zarr.json as zarr reads it), else ChunkClaim: a
+    header's claim is what numcodecs allocates, before zarr compares it with the shape."""
+
+    def __init__(self, store, layouts: dict[str, ArrayLayout]) -> None:
         super().__init__(store)
-        self._zero_arrays = zero_arrays
+        self._layouts = layouts
+        self._chunks: dict[str, ChunkCheck | None] = {}  # by array, once zarr has read its zarr.json
 
-    def _check(self, key: str, value):
-        if value is None and not key.endswith(ZARR_JSON) and key.split("/")[0] not in self._zero_arrays:
-            raise MissingChunk(key)
+    def _check(self, key: str, value, byte_range):
+        array, _, rest = key.partition("/")
+        layout = self._layouts.get(array)
+        if value is None:
+            if not key.endswith(ZARR_JSON) and not (layout is not None and layout.zeros):
+                raise MissingChunk(key)
+        elif layout is not None and rest == ZARR_JSON:
+            self._chunks[array] = ChunkCheck.of(json.loads(value.to_bytes()), layout)
+        elif self._chunks.get(array) is not None and (byte_range is None or isinstance(byte_range, RangeByteRequest)):
+            # a whole shard, or one chunk of it (zarr asks for a shard's index by a suffix request)
+            problem = self._chunks[array].problem(value.as_numpy_array(), whole_shard=byte_range is None)
+            if problem:
+                raise ChunkClaim(f"{key}: {problem}")
         return value
 
     async def get(self, key, prototype, byte_range=None):
-        return self._check(key, await self._store.get(key, prototype, byte_range))
+        return self._check(key, await self._store.get(key, prototype, byte_range), byte_range)
 
     async def get_partial_values(self, prototype, key_ranges):
         key_ranges = list(key_ranges)
         values = await self._store.get_partial_values(prototype, key_ranges)
-        return [self._check(key, value) for (key, _), value in zip(key_ranges, values, strict=True)]
+        return [self._check(key, value, byte_range) for (key, byte_range), value in zip(key_ranges, values, strict=True)]
 
 
 def memory_store(blobs: dict[str, bytes]) -> MemoryStore:
@@ -172,19 +200,23 @@ def write_index(root: Path, records: list[SegmentRecord]) -> pa.Table:
     return table
 
 
-def read_parquet(root: str | Path | Location, name: str, max_bytes: int = 1 << 30) -> pa.Table:
+def read_parquet(root: str | Path | Location, name: str, limits: ParquetLimits, max_bytes: int = 1 << 30) -> pa.Table:
     """A Parquet file of a cache (plan.parquet, index.parquet): a local one's read with the care
-    of `open_regular`; CacheCorruptError naming the file and the fix otherwise."""
-    table = parquet_or_corrupt(open_location(root), name, max_bytes)
+    of `open_regular`, and decoded only within `limits`; CacheCorruptError naming the file and the
+    fix otherwise."""
+    table = parquet_or_corrupt(open_location(root), name, limits, max_bytes)
     if table is None:
         raise CacheCorruptError(f"{name} is missing; copy the cache again or re-run extract")
     return table
 
 
-def parquet_or_corrupt(location: Location, name: str, max_bytes: int) -> pa.Table | None:
-    """`location.parquet`, with a file that cannot be read as CacheCorruptError naming it and the fix."""
+def parquet_or_corrupt(location: Location, name: str, limits: ParquetLimits, max_bytes: int) -> pa.Table | None:
+    """`location.parquet` decoded within `limits`, with a file that cannot be read, or claims more
+    than they allow, as CacheCorruptError naming it and the fix."""
     try:
-        return location.parquet(name, max_bytes)
+        return location.parquet(name, max_bytes, partial(read_parquet_within, name=name, limits=limits))
+    except ParquetClaimError as e:
+        raise CacheCorruptError(f"{e}; copy the cache again or re-run extract") from None
     except (OSError, ValueError, pa.ArrowException) as e:
         raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
 
@@ -262,10 +294,10 @@ class CacheReader:
     def bytes_on_disk(self) -> int:
         return sum(sum(r.files.values()) for r in self.records)
 
-    def read_parquet(self, name: str, max_bytes: int = 1 << 30) -> pa.Table | None:
+    def read_parquet(self, name: str, limits: ParquetLimits, max_bytes: int = 1 << 30) -> pa.Table | None:
         """A Parquet file at the cache root (plan.parquet, index.parquet), None if absent;
-        CacheCorruptError naming the file and the fix if it cannot be read."""
-        return parquet_or_corrupt(self.location, name, max_bytes)
+        CacheCorruptError naming the file and the fix if it cannot be read within `limits`."""
+        return parquet_or_corrupt(self.location, name, limits, max_bytes)
 
     # --- index ---------------------------------------------------------------------------
     @cached_property
@@ -285,18 +317,20 @@ class CacheReader:
     @cached_property
     def index_problem(self) -> str | None:
         """Why index.parquet cannot be trusted, or None when it is absent, stale (written before
-        later commits: extract rewrites it) or agrees exactly with the commit records."""
+        later commits: extract rewrites it) or agrees exactly with the commit records. Its footer
+        is read first: a stale file is never decoded, and one that claims other columns, another
+        row count or absurd sizes is reported undecoded (`read_parquet_within`)."""
         limit = INDEX_BYTES_PER_SAMPLE * self.num_samples + (1 << 20)
+        limits = ParquetLimits(INDEX_SCHEMA, self.num_samples, f"the commit records {self.num_samples}",
+                               tagged={b"commits_digest": records_digest(self.records).encode()})
+        read = partial(read_parquet_within, name=INDEX_FILE, limits=limits)
         try:
-            table = self.location.parquet(INDEX_FILE, limit)
-        except CacheCorruptError as e:
+            table = self.location.parquet(INDEX_FILE, limit, read)
+        except (CacheCorruptError, ParquetClaimError) as e:
             return str(e)
         except (OSError, ValueError, pa.ArrowException) as e:
             return f"{INDEX_FILE} is unreadable ({e})"
         if table is None:
-            return None
-        meta = table.schema.metadata or {}
-        if meta.get(b"commits_digest", b"").decode() != records_digest(self.records):
             return None
         return index_difference(table.replace_schema_metadata(None), self._built_index)
 
@@ -335,8 +369,10 @@ class CacheReader:
         found, problems = self.location.segment_files(rec.name)
         if self._check_segment_files or check_files:
             problems += listing_problems(rec, found)
+        layouts = self.layouts(rec)
         if not problems:
-            layouts = self.layouts(rec)
+            problems = [p for p in [expansion_problem(found, layouts)] if p]
+        if not problems:
             metas = {rel: found[rel] for rel in (f"{key}/zarr.json" for key in layouts) if rel in found}
             problems = array_problems(self.location.segment_metas(rec.name, metas), found, layouts,
                                       self.location.segment_tails(rec.name))
@@ -361,8 +397,7 @@ class CacheReader:
             return cached
         rec = self.record(name)
         self.check_segment(rec)
-        zero_arrays = frozenset(k for k, layout in self.layouts(rec).items() if layout.zeros)
-        arr = self._open_array(_ChunksMustExist(self.location.zarr_store(name), zero_arrays), rec, key)
+        arr = self._open_array(_SegmentStore(self.location.zarr_store(name), self.layouts(rec)), rec, key)
         self._open.put((name, key), arr)
         return arr
 
@@ -396,6 +431,8 @@ class CacheReader:
             values = np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
+        except ChunkClaim as e:
+            raise CacheCorruptError(f"segment {name}: array {key}: {e}; copy the cache again or re-run extract") from None
         except MissingChunk as e:
             raise CacheCorruptError(f"segment {name}: array {key}: its file {e} is missing (it was there when "
                                     "the cache was opened: deleted since, by another job on this cache?); let the "
@@ -418,7 +455,7 @@ class CacheReader:
                                   self.layouts(rec), lambda rel, nbytes, size: blobs[rel][-nbytes:])
         if problems:
             raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
-        store = memory_store(blobs)
+        store = _SegmentStore(memory_store(blobs), self.layouts(rec))
         return {k: self._values(self._open_array(store, rec, k), name, k) for k in keys}
 
     def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:

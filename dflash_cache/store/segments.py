@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +51,11 @@ MAX_SEGMENT_FILES = 1 << 16  # far above a real segment's (5-6 arrays, one shard
 CHUNK_SLACK = 4  # a received chunk may decode to this many times CHUNK_BYTES (or 16 rows), no more
 MAX_CHUNKS_PER_SHARD = 1 << 16  # bounds a shard's index (16 bytes per chunk)
 MAX_ARRAY_META_BYTES = 1 << 20  # an array's zarr.json (the writer's are ~1.5 KB)
+# A segment's arrays may decode to at most MAX_EXPANSION times the bytes of its files, plus
+# EXPANSION_SLACK (so that small segments of all-zero arrays read): real features compress 1.0-1.7x,
+# a few KB of compressed zeros standing in for gigabytes is a bomb however consistent its claims.
+MAX_EXPANSION = 16
+EXPANSION_SLACK = 64 << 20
 MAX_RECORD_BYTES = 16 << 20  # a commit record
 # Integer ranges of commit-record fields, by field name (default: [0, 2**63)).
 _RECORD_BOUNDS: dict[str, tuple[int, int]] = {
@@ -298,6 +304,24 @@ def segment_layouts(record: SegmentRecord, feature_specs: dict[str, ArraySpec]) 
     return out
 
 
+def decoded_bytes(layout: ArrayLayout) -> int:
+    """What an array decodes to in memory: its shape times its dtype."""
+    return int(np.prod(layout.shape, dtype=np.int64)) * layout.dtype.itemsize
+
+
+def expansion_problem(found: Found, layouts: dict[str, ArrayLayout]) -> str | None:
+    """A segment whose arrays would decode to far more than its files hold (`MAX_EXPANSION`): the
+    manifest, the record and every zarr.json may agree and still be kilobytes standing for
+    gigabytes. Checked before any array is opened."""
+    stored = sum(size for size in found.values() if size is not None)
+    decoded = sum(decoded_bytes(layout) for layout in layouts.values())
+    if decoded <= MAX_EXPANSION * stored + EXPANSION_SLACK:
+        return None
+    return (f"its arrays would decode to {decoded:,} bytes, more than {MAX_EXPANSION} times its {stored:,} bytes of "
+            f"files (+{EXPANSION_SLACK >> 20} MiB): compressed zeros standing in for data, not a segment the writer "
+            "makes")
+
+
 def _shape(value: Any) -> tuple[int, ...] | None:
     ok = isinstance(value, list) and all(type(v) is int and v >= 1 for v in value)
     return tuple(value) if ok else None
@@ -377,6 +401,57 @@ def shard_index_problem(rel: str, tail: bytes, size: int, chunks: int, written: 
     if bool(((entries[:, 0] > data_end) | (entries[:, 1] > data_end - np.minimum(entries[:, 0], data_end))).any()):
         return f"{rel}: its index points past the end of its {data_end} bytes of chunks"
     return None
+
+
+BLOSC_HEADER = 16  # version, flags, typesize, then uint32 decoded bytes, block bytes, frame bytes
+
+
+def blosc_problem(chunk: Any, nbytes: int) -> str | None:
+    """A stored Blosc chunk (its frame, then the CRC32C the writer's chain ends with) must decode
+    to exactly the `nbytes` its shape holds: numcodecs sizes (and fills) its output by the frame's
+    header before anything compares it with the chunk's shape."""
+    if len(chunk) < BLOSC_HEADER + 4:
+        return f"a chunk of {len(chunk)} bytes is too short to be a Blosc frame"
+    claimed, block, frame = struct.unpack_from("<III", chunk, 4)
+    if claimed != nbytes:
+        return f"a Blosc chunk claims {claimed} bytes decoded, its shape holds {nbytes}"
+    if not 0 < block <= claimed or frame != len(chunk) - 4:
+        return f"a Blosc chunk's header claims {block}-byte blocks in a {frame}-byte frame, not its {len(chunk) - 4}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCheck:
+    """What every stored chunk of one array must decode to, from its zarr.json as zarr reads it
+    (held to the writer's layout again there). For arrays whose chain has no Blosc, a chunk's size
+    is all zarr allocates by, and the shard index bounds that."""
+
+    nbytes: int  # decoded bytes of one chunk
+    per_shard: int  # chunks in a shard: entries in its index
+
+    @classmethod
+    def of(cls, meta: Any, layout: ArrayLayout) -> ChunkCheck | None:
+        """The check for an array's chunks (None: no Blosc in its chain); ValueError as `meta_grid`."""
+        chunk, shard = meta_grid(meta, layout)
+        if "blosc" not in codec_names(layout.compressors):
+            return None
+        return cls(chunk * decoded_bytes(layout) // layout.shape[0], shard // chunk)
+
+    def problem(self, data: Any, *, whole_shard: bool) -> str | None:
+        """What is wrong with `data`: one stored chunk, or (`whole_shard`) a shard file whose index
+        locates its chunks. A shard too short for its index is zarr's to refuse."""
+        if not whole_shard:
+            return blosc_problem(data, self.nbytes)
+        index_bytes = 16 * self.per_shard + 4
+        if len(data) < index_bytes:
+            return None
+        entries = np.frombuffer(data[len(data) - index_bytes:len(data) - 4], dtype="<u8").reshape(-1, 2)
+        for offset, length in entries.tolist():
+            if offset != EMPTY_CHUNK:
+                problem = blosc_problem(data[offset:offset + length], self.nbytes)
+                if problem:
+                    return problem
+        return None
 
 
 def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[str, ArrayLayout],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tracemalloc
 from pathlib import Path
@@ -15,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from zarr.core.common import ZARR_JSON
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.files import read_json
 from dflash_cache.store.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from dflash_cache.store.plan import PLAN_FILE
+from dflash_cache.store.plan import PLAN_FILE, plan_limits
 from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
 from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, read_records
 from dflash_cache.store.writer import list_files
@@ -120,7 +122,7 @@ def test_parquet_symlink_out_of_the_root_is_refused(tmp_path):
     assert "outside the cache root" in r.index_problem
     assert r.index.equals(build_index(r.records))
     with pytest.raises(CacheCorruptError, match="outside the cache root"):
-        read_parquet(root, INDEX_FILE)
+        read_parquet(root, INDEX_FILE, plan_limits(make_manifest()))
 
 
 def test_symlinks_that_stay_inside_the_root_are_followed(tmp_path):
@@ -193,7 +195,7 @@ def test_fifo_parquet_does_not_hang(tmp_path, name):
     write_index(tmp_path, read_records(tmp_path))
     (tmp_path / PLAN_FILE).write_bytes(b"")
     fifo = _fifo(tmp_path / name)
-    _refused_in_time(lambda: read_parquet(tmp_path, name), fifo, "not a regular file")
+    _refused_in_time(lambda: read_parquet(tmp_path, name, plan_limits(make_manifest())), fifo, "not a regular file")
     if name == INDEX_FILE:
         finished, problem = finishes_within(TIMEOUT, lambda: CacheReader(tmp_path).index_problem, fifo)
         assert finished and "not a regular file" in problem
@@ -391,3 +393,234 @@ def test_a_shard_index_pointing_past_its_data_is_refused(tmp_path):
     _relist(tmp_path)
     with pytest.raises(CacheCorruptError, match="features/c/0/0: .*past the end"):
         CacheReader(tmp_path).read_array(NAME, "features")
+
+
+# --- memory bounded before allocation: what a file claims, held to what the records allow ---------
+def _chunks_of(path: Path, n: int) -> list[bytes]:
+    """The `n` stored chunks (Blosc frame and CRC32C each) of a shard, in index order."""
+    data = path.read_bytes()
+    entries = np.frombuffer(data[-(16 * n + 4):-4], dtype="<u8").reshape(n, 2)
+    return [data[int(o):int(o) + int(k)] for o, k in entries]
+
+
+def _write_shard(path: Path, chunks: list[bytes]) -> None:
+    """A shard of these stored chunks, with a valid index: what a sender can always make."""
+    import google_crc32c
+
+    offsets = np.cumsum([0, *map(len, chunks)])[:-1]
+    index = np.stack([offsets, [len(c) for c in chunks]], axis=1).astype("<u8").tobytes()
+    path.write_bytes(b"".join(chunks) + index + google_crc32c.value(index).to_bytes(4, "little"))
+
+
+def _stored_chunk(frame: bytes) -> bytes:
+    import google_crc32c
+
+    return frame + google_crc32c.value(frame).to_bytes(4, "little")
+
+
+def _zeros_frame(nbytes: int) -> bytes:
+    """A Blosc(zstd) frame that really decompresses to `nbytes` zeros: a few KB per 32 MB."""
+    from numcodecs import Blosc
+
+    return Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, typesize=2).encode(np.zeros(nbytes, np.uint8))
+
+
+def _peak_traced(fn) -> tuple[int, object]:
+    """(peak bytes traced while `fn` ran, its result or exception): numpy and Python buffers are
+    traced, so a decode sized by a lie shows here whether or not it fails afterwards."""
+    tracemalloc.start()
+    try:
+        try:
+            result = fn()
+        except Exception as e:  # handed to the test to assert on
+            result = e
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+def test_blosc_chunk_claiming_more_than_its_shape_is_refused_before_decoding(tmp_path):
+    """Audit: a 1.3 MB shard whose Blosc header claims 1.85 GB took `inspect --verify` to 1.85 GB
+    (numcodecs sizes its output by the header). Here a frame of 64 MB of zeros stands in a chunk
+    whose shape holds 7,680 bytes: refused by the header, nothing decoded."""
+    synthetic_cache(tmp_path)
+    _write_shard(_seg(tmp_path) / "features/c/0/0", [_stored_chunk(_zeros_frame(64 << 20))])
+    _relist(tmp_path)
+    match = rf"segment {NAME}: array features: features/c/0/0: a Blosc chunk claims {64 << 20} bytes decoded, " \
+            r"its shape holds 7680"
+    _refused_small(tmp_path, match)
+    from dflash_cache.store.report import verify
+
+    peak, problems = _peak_traced(lambda: verify(CacheReader(tmp_path)))
+    assert peak < 32 << 20, peak
+    assert len(problems) == 1 and re.search(match, problems[0]), problems
+
+
+def test_blosc_chunk_lie_is_refused_in_a_partial_read_too(tmp_path, monkeypatch):
+    """A sample's rows read only their chunks (byte ranges of the shard, not the whole shard)."""
+    import dflash_cache.store.segments as segments
+
+    with monkeypatch.context() as m:  # 16-row chunks: several chunks per shard
+        m.setattr(segments, "CHUNK_BYTES", 2048)
+        synthetic_cache(tmp_path)
+    shard = _seg(tmp_path) / "features/c/0/0"
+    chunks = _chunks_of(shard, 4)
+    chunks[1] = _stored_chunk(_zeros_frame(64 << 20))  # rows 16..31: sample 1 (rows 17..41) reads it
+    _write_shard(shard, chunks)
+    _relist(tmp_path)
+    r = CacheReader(tmp_path)
+    assert r.read_array(NAME, "features", 0, 16).shape == (16, 64)  # chunk 0 alone is intact
+    peak, result = _peak_traced(lambda: r.sample(1))
+    assert isinstance(result, CacheCorruptError), result
+    assert re.search(r"features/c/0/0: a Blosc chunk claims \d+ bytes decoded, its shape holds 2048", str(result))
+    _one_line(result)
+    assert peak < 32 << 20, peak
+
+
+def _limits_manifest_cache(root: Path, tokens: int) -> Path:
+    """A cache whose manifest sits at the size limits (16 layers x hidden 65536: 2 MB a token) and
+    whose one segment's features are all zeros, so a few KB of Blosc frames stand for each 32 MB
+    chunk: the arrays, shard files and record are exactly what the writer makes of such a segment."""
+    from dflash_cache.store.codecs import get_codec
+
+    (root / COMMITS_DIR).mkdir(parents=True)
+    big = make_manifest(layer_ids=tuple(range(16)), hidden_size=65536, num_samples=2, num_tokens=tokens)
+    write_manifest(root, big)
+    small = make_manifest(layer_ids=(1,), hidden_size=4)  # commits the token arrays and the record
+    write_synthetic_segment(root, small, lengths=(tokens // 2, tokens - tokens // 2))
+    rows, shard_rows, width = 16, 48, big.feature_width  # `write_array`'s grid for 2 MB rows
+    zarr.create_array(store=LocalStore(_seg(root)), name="features", shape=(tokens, width), dtype="uint16",
+                      chunks=(rows, width), shards=(shard_rows, width), compressors=list(get_codec("bf16").compressors),
+                      filters=[], fill_value=0, overwrite=True)
+    chunk = _stored_chunk(_zeros_frame(rows * width * 2))
+    for i in range(-(-tokens // shard_rows)):
+        path = _seg(root) / "features" / "c" / str(i) / "0"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_shard(path, [chunk] * (shard_rows // rows))
+    _relist(root)
+    return root
+
+
+def test_segment_claiming_far_more_than_its_files_hold_is_refused_before_decoding(tmp_path):
+    """Audit: a 144 KB cache with a manifest at the size limits took verify past 6 GB, every claim
+    consistent with every other. What gives it away is the bytes behind the claims: a segment may
+    decode to at most MAX_EXPANSION times its files (real ones: 1.0-1.7)."""
+    from dflash_cache.store.report import verify
+    from dflash_cache.store.segments import EXPANSION_SLACK, MAX_EXPANSION
+
+    root = _limits_manifest_cache(tmp_path / "cache", tokens=96)
+    on_disk = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert on_disk < 256 << 10 and 96 * (2 << 20) > 2 * EXPANSION_SLACK  # 192 MB claimed by < 256 KB
+    peak, problems = _peak_traced(lambda: verify(CacheReader(root)))
+    assert peak < 32 << 20, peak
+    assert len(problems) == 1, problems
+    assert re.search(rf"segment {NAME} is damaged: its arrays would decode to [\d,]+ bytes, more than "
+                     rf"{MAX_EXPANSION} times its [\d,]+ bytes of files", problems[0]), problems
+    with pytest.raises(CacheCorruptError, match="would decode to") as ei:
+        CacheReader(root).read_array(NAME, "input_ids")  # training reads are refused alike
+    _one_line(ei.value)
+
+
+def _forbid_decoding(monkeypatch) -> None:
+    """Any Parquet table read fails the test: a refusal must come from the footer alone."""
+    import pyarrow.parquet as pq
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("a Parquet table was decoded")
+
+    monkeypatch.setattr(pq.ParquetFile, "read", decoded)
+    monkeypatch.setattr(pq, "read_table", decoded)
+
+
+def _long_parquet(path: Path, table, copies: int, **kw) -> None:
+    """`table` written `copies` times as row groups: millions of rows in a file of kilobytes."""
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, table.schema, compression="zstd", **kw) as w:
+        for _ in range(copies):
+            w.write_table(table)
+
+
+def test_plan_parquet_with_more_rows_than_the_manifest_plans_is_refused_unread(tmp_path, monkeypatch):
+    """Audit: a 1.6 MB plan.parquet (run-length encoded rows) took `inspect` past 6 GB."""
+    import pyarrow as pa
+
+    from dflash_cache.store.plan import read_plan
+    from dflash_cache.store.report import summarize
+
+    manifest, _ = synthetic_cache(tmp_path)
+    n = 1 << 20
+    zeros = {k: pa.array(np.zeros(n, t)) for k, t in
+             (("row", np.int64), ("unit", np.int32), ("batch", np.int32), ("bucket", np.int16), ("length", np.int32))}
+    _long_parquet(tmp_path / PLAN_FILE, pa.table(zeros), 4)
+    assert (tmp_path / PLAN_FILE).stat().st_size < 256 << 10
+    _forbid_decoding(monkeypatch)
+    match = rf"plan.parquet has {4 * n} rows, the manifest plans 3 samples; copy the cache again or re-run extract"
+    for call in (lambda: read_plan(tmp_path, manifest), lambda: summarize(CacheReader(tmp_path))):
+        with pytest.raises(CacheCorruptError, match=match) as ei:
+            call()
+        _one_line(ei.value)
+
+
+def _index_with(root: Path, table, digest: bool = True, copies: int = 1, **kw) -> None:
+    """index.parquet holding `table` (`copies` times), tagged as covering the records (or not)."""
+    from dflash_cache.store.reader import records_digest
+
+    tag = records_digest(read_records(root)) if digest else "0" * 64
+    meta = {"commits": str(len(read_records(root))), "commits_digest": tag}
+    _long_parquet(root / INDEX_FILE, table.replace_schema_metadata(meta), copies, **kw)
+
+
+def _index_rows(n: int, segment: str = NAME):
+    import pyarrow as pa
+
+    from dflash_cache.store.reader import INDEX_SCHEMA
+
+    cols = {f.name: pa.array(np.zeros(n, f.type.to_pandas_dtype())) for f in INDEX_SCHEMA if f.name != "segment"}
+    return pa.table(cols | {"segment": pa.array([segment] * n)}).select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+
+
+def test_index_parquet_with_more_rows_than_the_records_is_not_read(tmp_path, monkeypatch, caplog):
+    """Audit: a 0.94 MB index.parquet took `train` to 3.8 GB. The index the trainer uses is rebuilt
+    from the records; the file is only checked, and now from its footer first."""
+    synthetic_cache(tmp_path)
+    _index_with(tmp_path, _index_rows(1 << 20), copies=4)
+    _forbid_decoding(monkeypatch)
+    r = CacheReader(tmp_path)
+    assert r.index_problem == f"{INDEX_FILE} has {4 << 20} rows, the commit records 3"
+    assert r.index.equals(build_index(r.records))
+
+
+def test_stale_index_parquet_is_never_decoded(tmp_path, monkeypatch):
+    """An index written before other commits is rewritten by extract, not read: whatever it holds."""
+    synthetic_cache(tmp_path)
+    _index_with(tmp_path, _index_rows(1 << 20), digest=False, copies=4)
+    _forbid_decoding(monkeypatch)
+    assert CacheReader(tmp_path).index_problem is None
+
+
+@pytest.mark.parametrize("dictionary, match", [
+    (True, rf"{INDEX_FILE} column segment holds a value of 61440 bytes, more than 64"),
+    (False, rf"{INDEX_FILE} column segment claims [\d,]+ bytes of pages, more than the [\d,]+ that 3 rows take"),
+])
+def test_index_parquet_with_absurd_strings_is_refused(tmp_path, dictionary, match):
+    """Audit: a 0.94 MB string, stored once in the dictionary and repeated for each of a cache's
+    samples, decodes to 0.94 MB a sample (3.8 GB for 4,000); a segment name is 14 bytes. Its pages
+    give away a string spelled out row by row; the dictionary is checked before it is expanded."""
+    synthetic_cache(tmp_path)
+    _index_with(tmp_path, _index_rows(3, segment="u" * (60 << 10)), use_dictionary=dictionary)
+    assert (tmp_path / INDEX_FILE).stat().st_size < 16 << 10
+    problem = CacheReader(tmp_path).index_problem
+    assert re.fullmatch(match, problem), problem
+
+
+@pytest.mark.parametrize("rel", [ZARR_JSON, f"{SEGMENTS_DIR}/{ZARR_JSON}"])
+def test_extract_resuming_into_a_cache_with_a_fifo_does_not_hang(tmp_path, rel):
+    """Audit: `extract` resuming into a cache whose segments/zarr.json was a FIFO hung forever
+    (zarr opened it to write the segments group again)."""
+    from dflash_cache.store.writer import open_or_create
+    from tests.dflash_cache.store.test_writer import new_cache
+
+    manifest, plan, _ = new_cache(tmp_path)
+    fifo = _fifo(tmp_path / rel)
+    _refused_in_time(lambda: open_or_create(tmp_path, manifest, plan), fifo, f"{rel} is a FIFO, not a regular file")
