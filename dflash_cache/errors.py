@@ -4,6 +4,8 @@ Library code raises `UserError` for bad input; the CLI turns it into one line on
 status 2. Anything else is a bug and keeps its traceback.
 """
 
+import errno
+
 
 class UserError(Exception):
     """A mistake in the user's input: the message names the problem and the fix, on one line."""
@@ -26,3 +28,12 @@ def compile_failure(exc: BaseException) -> str:
     for the UserError that names the way out."""
     cause = getattr(exc, "inner_exception", None) or exc
     return f"{type(cause).__name__}: {one_line(cause)}"
+
+
+def write_error(exc: OSError, doing: str, then: str) -> UserError:
+    """One line for a write of ours that failed: a full disk (free space, then `then`), or what else
+    the system said about the path."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"disk full while {doing}; free space, then {then}")
+    return UserError(f"cannot finish {doing}: {exc.strerror or one_line(exc)}; check the path and its permissions, "
+                     f"then {then}")

@@ -64,7 +64,9 @@ def _load_value(hint: Any, value: Any, what: str, limits: tuple[int, int], bound
         if not isinstance(value, dict):
             raise ValueError(f"{what} must be an object, not {_short(value)}")
         return {k: json_int(v, f"{what}[{_short(k)}]", lo, hi) for k, v in value.items()}
-    if hint == dict[str, Any]:
+    if hint == dict[str, Any] | None and value is None:
+        return None
+    if hint in (dict[str, Any], dict[str, Any] | None):
         if not isinstance(value, dict) or nesting_depth(value) > MAX_NESTING:
             raise ValueError(f"{what} must be an object nested at most {MAX_NESTING} deep")
         return value

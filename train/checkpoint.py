@@ -12,12 +12,18 @@ A checkpoint is written under a temporary name, every file fsynced, then renamed
 then are checkpoints beyond the newest `keep` deleted, so the last good one is never removed before
 its successor is complete. A checkpoint that cannot be read (truncated file, malformed state) is
 reported as `UnreadableCheckpoint` so the trainer can fall back to the one before it.
+
+A kill can leave work half done: a `.tmp_step_N` being written, a `.old_step_N` being replaced, a
+`.stale_step_N` being deleted. `tidy_checkpoints` (run under the run directory's lock) finishes or
+undoes each, so only whole `step_N` checkpoints remain.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +33,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_cache.errors import write_error
 from dflash_cache.files import fsync_path, read_json, write_json_atomic
 from dflash_cache.train.optim import load_optimizer_state
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 STATE_VERSION = 2
 TENSOR_FILES = ("drafter.safetensors", "optimizer.safetensors", "rng.safetensors")
-_PREFIX, _TMP_PREFIX, _OLD_PREFIX = "step_", ".tmp_step_", ".old_step_"
+_PREFIX, _TMP_PREFIX, _OLD_PREFIX, _STALE_PREFIX = "step_", ".tmp_step_", ".old_step_", ".stale_step_"
 
 
 class UnreadableCheckpoint(Exception):
@@ -56,6 +63,7 @@ class TrainerState:
     optimizer_hparams: list[dict[str, Any]]
     version: int = STATE_VERSION
     total_steps: int | None = None  # where the run's schedule ends (None: a checkpoint from before it was kept)
+    options: dict[str, Any] | None = None  # the run's command-line options by flag (None: from before they were kept)
 
     @classmethod
     def from_json(cls, obj: Any, *, where: Path) -> TrainerState:
@@ -114,22 +122,17 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainerState, rng: dict[str, torch.Tensor], keep: int = 2) -> Path:
-    """Write, fsync and rename a checkpoint into place, then keep only the newest `keep`."""
-    names = _names_in_optimizer_order(model, optimizer)
+    """Write, fsync and rename a checkpoint into place, then keep only the newest `keep`. A write
+    that fails (a full disk) removes what it wrote and is a UserError; the checkpoints before stay."""
     final = directory / f"{_PREFIX}{state.step:07d}"
     tmp = directory / f"{_TMP_PREFIX}{state.step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {
-        "drafter.safetensors": {k: v.detach().cpu().contiguous()
-                                for k, v in _full_precision_state(model, optimizer).items()},
-        "optimizer.safetensors": _optimizer_tensors(optimizer, names),
-        "rng.safetensors": {k: v.cpu().contiguous() for k, v in rng.items()},
-    }
-    for name, content in tensors.items():
-        save_file(content, tmp / name)
-        fsync_path(tmp / name)
-    write_json_atomic(tmp / STATE_FILE, asdict(state))  # fsyncs the file and tmp/
+    try:
+        _write(tmp, model=model, optimizer=optimizer, state=state, rng=rng)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        found = list_checkpoints(directory)
+        kept = f"--resume continues from {found[0].name}, which is kept" if found else "train again"
+        raise write_error(e, f"writing checkpoint {final}", kept) from None
     if final.exists():  # the same step again (a resume that trained nothing): replace it whole
         old = directory / f"{_OLD_PREFIX}{state.step:07d}"
         shutil.rmtree(old, ignore_errors=True)
@@ -140,8 +143,66 @@ def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch
         tmp.rename(final)
     fsync_path(directory)
     for stale in list_checkpoints(directory)[keep:]:
-        shutil.rmtree(stale, ignore_errors=True)
+        _remove(stale, directory / f"{_STALE_PREFIX}{stale.name[len(_PREFIX):]}")
     return final
+
+
+def _remove(path: Path, aside: Path) -> None:
+    """Delete a checkpoint by renaming it aside first: a kill midway leaves `aside`, which
+    `tidy_checkpoints` removes, never a `step_N` that is missing files."""
+    path.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write(tmp: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+           rng: dict[str, torch.Tensor]) -> None:
+    names = _names_in_optimizer_order(model, optimizer)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {
+        "drafter.safetensors": {k: v.detach().cpu().contiguous()
+                                for k, v in _full_precision_state(model, optimizer).items()},
+        "optimizer.safetensors": _optimizer_tensors(optimizer, names),
+        "rng.safetensors": {k: v.cpu().contiguous() for k, v in rng.items()},
+    }
+    for name, content in tensors.items():
+        try:
+            save_file(content, tmp / name)
+        except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors by another name
+            found = re.search(r"os error (\d+)", str(e))
+            if found is None:
+                raise
+            raise OSError(int(found.group(1)), os.strerror(int(found.group(1)))) from e
+        fsync_path(tmp / name)
+    write_json_atomic(tmp / STATE_FILE, asdict(state))  # fsyncs the file and tmp/
+
+
+def tidy_checkpoints(directory: Path) -> list[str]:
+    """Finish or undo what a killed run left half done in `directory`; returns the names removed.
+
+    A `.old_step_N` whose `step_N` is gone was being replaced by a checkpoint of the same step: it
+    is whole (its state file is written last), so it becomes `step_N` again. Everything else that
+    is not a whole `step_N` is removed: `.tmp_step_N` (never renamed into place), `.stale_step_N`
+    (being deleted), a `.old_step_N` already replaced, and a `step_N` without its state file."""
+    if not directory.is_dir():
+        return []
+    for old in sorted(directory.glob(f"{_OLD_PREFIX}*")):
+        final = directory / f"{_PREFIX}{old.name[len(_OLD_PREFIX):]}"
+        if old.is_dir() and (old / STATE_FILE).is_file() and not final.exists():
+            old.rename(final)
+            log.info("restored checkpoint %s, which a killed run was replacing", final.name)
+    removed = []
+    for p in sorted(directory.iterdir()):
+        whole = p.name.startswith(_PREFIX) and p.is_dir() and (p / STATE_FILE).is_file()
+        if not whole and p.name.startswith((_PREFIX, _TMP_PREFIX, _OLD_PREFIX, _STALE_PREFIX)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p.name)
+    if removed:
+        fsync_path(directory)
+    return removed
 
 
 def read_state(path: Path) -> TrainerState:

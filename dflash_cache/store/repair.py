@@ -19,14 +19,24 @@ from pathlib import Path
 from zarr.core.common import ZARR_JSON
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.files import fsync_path
+from dflash_cache.files import TMP_SUFFIX, fsync_path, remove_tmp_files
 from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.reader import write_index
-from dflash_cache.store.segments import COMMITS_DIR, NAME_RE, read_records, remove_uncommitted
+from dflash_cache.store.plan import PLAN_FILE
+from dflash_cache.store.reader import INDEX_FILE, write_index
+from dflash_cache.store.segments import (
+    COMMITS_DIR,
+    NAME_RE,
+    SEGMENTS_DIR,
+    committed_names,
+    read_records,
+    remove_uncommitted,
+)
 
 log = logging.getLogger(__name__)
 
 CREATING_FILE = ".creating"
+# The files at a cache's root that are replaced by renaming `name.PID.tmp` over them.
+_ROOT_STEMS = [name.split(".")[0] for name in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE, ZARR_JSON)]
 
 
 def is_half_made(root: Path) -> bool:
@@ -36,8 +46,23 @@ def is_half_made(root: Path) -> bool:
 
 def remove_uncommitted_segments(root: Path, committed: set[str], owned: Callable[[str], bool] | None = None) -> int:
     """Crash leftovers: segment directories no record covers (the segments group's own metadata
-    stays); with `owned`, only those of the segments it accepts."""
+    stays); with `owned`, only those of the segments it accepts. Without `owned` (no other run can
+    be writing) also the temporary files of the cache's own files (`index.parquet.PID.tmp`)."""
+    if owned is None:
+        remove_tmp_files(root, stems=_ROOT_STEMS)
     return remove_uncommitted(root, committed | {ZARR_JSON}, owned)
+
+
+def leftovers(root: Path) -> list[str]:
+    """What interrupted runs left in a cache directory (paths relative to it): temporary files and
+    segment directories no record covers. Harmless to readers; the next extract removes them (while
+    an extract runs, its segments in progress are listed too)."""
+    committed = set(committed_names(root)) | {ZARR_JSON}
+    found = [p.name for p in sorted(root.iterdir()) if p.name.endswith(TMP_SUFFIX) and p.name.split(".")[0] in _ROOT_STEMS]
+    for sub, keep in ((COMMITS_DIR, lambda n: not n.endswith(TMP_SUFFIX)), (SEGMENTS_DIR, committed.__contains__)):
+        if (root / sub).is_dir():
+            found += [f"{sub}/{p.name}" for p in sorted((root / sub).iterdir()) if not keep(p.name)]
+    return found
 
 
 def uncommit(root: Path, names: Iterable[str]) -> list[str]:

@@ -18,9 +18,9 @@ import numpy as np
 
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE, bucket_table, segments_of_plan
+from dflash_cache.store.plan import PLAN_FILE, bucket_table, plan_limits, segments_of_plan
 from dflash_cache.store.reader import INDEX_FILE, CacheReader
-from dflash_cache.store.repair import uncommit
+from dflash_cache.store.repair import leftovers, uncommit
 from dflash_cache.store.segments import SegmentRecord, segment_name
 
 BF16_BYTES = 2
@@ -29,7 +29,7 @@ BF16_BYTES = 2
 def missing_units(reader: CacheReader) -> list[int]:
     """Work units with at least one planned segment not committed."""
     committed = {r.name for r in reader.records}
-    planned = segments_of_plan(reader.read_parquet(PLAN_FILE))
+    planned = segments_of_plan(reader.read_parquet(PLAN_FILE, plan_limits(reader.manifest)))
     return sorted({u for u, b in planned if segment_name(u, b) not in committed})
 
 
@@ -205,6 +205,9 @@ def verification(reader: CacheReader, *, repair: bool = False) -> dict[str, Any]
     missing = incomplete(reader)
     problems = found.problems + ([missing] if missing else [])
     out: dict[str, Any] = {"ok": not problems, "problems": problems, "damaged_segments": sorted(found.damaged)}
+    found_leftovers = leftovers(reader.root) if reader.root is not None else []
+    if found_leftovers:  # not problems: nothing reads them
+        out["leftovers"] = found_leftovers
     if found.damaged or found.index_problem:
         if repair:
             out["repaired"] = uncommit(reader.root, found.damaged)
@@ -223,4 +226,8 @@ def format_verification(v: dict[str, Any]) -> str:
                      "run the extract command that made this cache again to redo them")
     if "hint" in v:
         lines.append(v["hint"])
+    if v.get("leftovers"):
+        shown = ", ".join(v["leftovers"][:5]) + (" ..." if len(v["leftovers"]) > 5 else "")
+        lines.append(f"leftovers: {len(v['leftovers'])} file(s) of interrupted runs, not read ({shown}); the next "
+                     "extract into this cache removes them")
     return "\n".join(lines)

@@ -27,10 +27,11 @@ from zarr.core.common import ZARR_JSON
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import UserError
-from dflash_cache.files import list_files
+from dflash_cache.files import check_regular, list_files
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import ArraySpec, to_stored_numpy, token_spec
 from dflash_cache.store.destination import Destination, disk_error, open_destination
+from dflash_cache.store.location import LocalCache
 from dflash_cache.store.manifest import MANIFEST_FILE, Manifest, mismatches, write_manifest
 from dflash_cache.store.plan import Plan, PlannedBatch, write_plan_table
 from dflash_cache.store.reader import INDEX_FILE, index_table
@@ -113,7 +114,12 @@ def _segments_group(root_group: zarr.Group) -> None:
 
 def _reopen(dest: Destination) -> None:
     """Tidy a matching cache: a marker left by a kill just after the manifest was written, and the
-    segments group that caches made before it existed lack."""
+    segments group that caches made before it existed lack. The groups' zarr.json files are zarr's
+    to open, so a local one that is not a regular file (a FIFO: zarr would wait on it forever) is
+    refused first."""
+    if isinstance(dest, LocalCache):
+        for rel in (ZARR_JSON, f"{SEGMENTS_DIR}/{ZARR_JSON}"):
+            check_regular(dest.root, rel)
     dest.reopen()
     if not dest.has(f"{SEGMENTS_DIR}/{ZARR_JSON}"):
         _segments_group(zarr.open_group(store=dest.zarr_root(), mode="r+"))
@@ -170,7 +176,10 @@ def finish_cache(root: Out, echo: Callable[[str], None], seconds: float) -> None
     with dest.guard():
         records = dest.records()
         for attempt in range(MAX_INDEX_WRITES):  # bounded: the run committing last writes an index too
-            dest.put_parquet(INDEX_FILE, index_table(records))
+            try:
+                dest.put_parquet(INDEX_FILE, index_table(records))
+            except OSError as e:  # a full disk: the old index (or none) stays, and the commits are whole
+                raise disk_error(str(dest), e) from None
             if attempt + 1 == MAX_INDEX_WRITES or dest.committed_names() == [r.name for r in records]:
                 break
             records = dest.records()

@@ -158,3 +158,19 @@ def test_a_state_read_from_disk_has_every_field_checked():
         TrainerState.from_json(_state(version=1), where=Path("s.json"))
     with pytest.raises(UnreadableCheckpoint, match="unknown field"):
         TrainerState.from_json({**_state(), "extra": 1}, where=Path("s.json"))
+
+
+def test_options_changed_on_resume_are_each_said_in_one_line(demo_cache, two_step_run, tmp_path, caplog):
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    saved = json.loads((list_checkpoints(out / "checkpoints")[0] / "state.json").read_text())["options"]
+    assert saved["--save-every"] == 10000 and saved["--no-compile"] is False
+    with caplog.at_level(logging.INFO, logger="dflash_cache.train.trainer"):
+        r = _cli_train(demo_cache, out, "--save-every", "7", "--keep-checkpoints", "3", "--no-compile")
+    assert r.exit_code == 0, r.output
+    said = [m for m in caplog.messages if m.startswith("--resume: options changed")]
+    assert len(said) == 1, caplog.messages
+    assert said[0].startswith("--resume: options changed since the checkpoint's run, applied from step 2: ")
+    for part in ("--keep-checkpoints 3 (was 2)", "--no-compile given (was not given)", "--save-every 7 (was 10000)"):
+        assert part in said[0], said[0]
+    assert "--max-steps" not in said[0] and "--resume" not in said[0].split(": ", 1)[1] and "--out" not in said[0]

@@ -95,3 +95,23 @@ def test_half_made_cache_is_named_as_such(tmp_path):
     assert res.exit_code == 2
     assert res.output.strip() == (f"Error: cache {root} was interrupted while being created; run the extract "
                                   "command again to make it")
+
+
+def test_leftovers_of_interrupted_runs_are_reported_by_verify_and_removed_by_the_next_extract(cache_copy):
+    root = cache_copy("bf16")
+    (root / f"{INDEX_FILE}.4242.tmp").write_bytes(b"torn")
+    (root / COMMITS_DIR / "u0000_b0099.json.4242.tmp").write_text("{")
+    (root / SEGMENTS_DIR / "u0000_b0099").mkdir()
+    (root / "mine.tmp").write_text("not the cache's")
+
+    res = run_inspect(root, "--verify")
+    assert res.exit_code == 0, res.output
+    assert (f"leftovers: 3 file(s) of interrupted runs, not read ({INDEX_FILE}.4242.tmp, "
+            f"{COMMITS_DIR}/u0000_b0099.json.4242.tmp, {SEGMENTS_DIR}/u0000_b0099)") in res.output
+
+    build_cache(root, "bf16")  # the extract that made it, run again: nothing to extract, leftovers tidied
+    assert not (root / f"{INDEX_FILE}.4242.tmp").exists()
+    assert not (root / COMMITS_DIR / "u0000_b0099.json.4242.tmp").exists()
+    assert not (root / SEGMENTS_DIR / "u0000_b0099").exists()
+    assert (root / "mine.tmp").exists()
+    assert "of interrupted runs" not in run_inspect(root, "--verify").output

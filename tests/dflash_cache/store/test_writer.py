@@ -257,3 +257,22 @@ def test_finish_cache_indexes_the_commits_and_says_how_complete(tmp_path):
     reader = CacheReader(tmp_path)
     assert (tmp_path / INDEX_FILE).is_file() and reader.index_problem is None and not verify(reader)
     assert reader.locate(1)["row_offset"] == 17
+
+
+def test_a_full_disk_at_the_index_write_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import dflash_cache.files as files
+
+    manifest, _, _ = new_cache(tmp_path)
+    write_synthetic_segment(tmp_path, manifest)
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(UserError) as e:
+        finish_cache(tmp_path, lambda _: None, 1.0)
+    monkeypatch.undo()
+    assert str(e.value) == (f"disk full while writing to {tmp_path}; free space and run the same command again "
+                            "(committed segments are kept)")
+    assert not list(tmp_path.glob("*.tmp"))
+    finish_cache(tmp_path, lambda _: None, 1.0)
+    assert CacheReader(tmp_path).index_problem is None
