@@ -241,6 +241,13 @@ class TokenizedDataset:
         if not keep.any():
             raise UserError(f"all {n} rows are longer than max_len {max_len} and overlong=skip leaves nothing; "
                             "raise --max-len or use --overlong truncate")
+        if not supervised.any():  # a cache or a live run of it would train on nothing, silently
+            unsupervised, fix = (f"every label is {IGNORE_INDEX}", f"labels other than {IGNORE_INDEX}") \
+                if self._mask_col == "labels" else ("every loss_mask is 0", "loss_mask 1")
+            cut = " within --max-len" if truncated else ""
+            raise UserError(f"dataset {_names(self._source)}: no supervised token in any row{cut} "
+                            f"({unsupervised}), so there is nothing to learn; mark the tokens to train on (the "
+                            f"replies) with {fix}")
         return DatasetScan(lengths, supervised, keep, truncated, skipped, dropped)
 
     def read_rows(self, start: int, stop: int, *, max_len: int | None, overlong: str = "truncate") -> list[Row]:

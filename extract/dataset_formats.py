@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +28,13 @@ ACCEPTED = (
     "of .parquet files, or a .jsonl file or directory of .jsonl files"
 )
 _JSONL_SUFFIXES = (".jsonl", ".json")
+# `org/name` as the Hub spells a dataset (no file suffix): what a user coming from `load_dataset` types.
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 _HF_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")  # save_to_disk's own files
 _PARQUET_BATCH = 8192
 _JSONL_BATCH = 2048
+_SPECIAL = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+            stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
 def _ranges(counts: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, int, int, int]]:
@@ -223,10 +229,30 @@ def _line_index(path: Path, chunk: int = 64 << 20) -> tuple[np.ndarray, np.ndarr
     return starts[keep], ends[keep]
 
 
+def _special(path: Path) -> str | None:
+    """What `path` is if it is neither a regular file nor a directory (links followed): reading a
+    FIFO waits for a writer and a device like /dev/zero never ends, so neither is ever opened."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return _SPECIAL.get(stat.S_IFMT(mode), "not a regular file")
+
+
 def open_source(path: Path) -> Source:
     """Detect the format of `path` and open it lazily."""
     if not path.exists():
+        if _HUB_NAME.fullmatch(str(path)) and path.suffix not in (".parquet", ".arrow", *_JSONL_SUFFIXES):
+            raise UserError(f"--data {path} looks like a Hugging Face Hub name, but only local datasets are read; "
+                            f"save it first: python -c \"import datasets; datasets.load_dataset('{path}', "
+                            f"split='train').save_to_disk('data/{path.name}')\", then pass --data data/{path.name}")
         raise UserError(f"dataset path {path} does not exist; pass {ACCEPTED}")
+    special = _special(path)
+    if special:
+        raise UserError(f"dataset path {path} is {special}, not a data file or directory; pass {ACCEPTED} "
+                        "(write a stream to a file first)")
     if not os.access(path, os.R_OK):
         raise UserError(f"dataset path {path} is not readable; check its permissions")
     if path.is_file():
@@ -248,10 +274,9 @@ def _open_dir(path: Path, root: Path, note: str) -> Source:
             raise UserError(f"DatasetDict at {path} has no train split (splits: {', '.join(splits) or 'none'}); "
                             f"pass the split directory you want, e.g. {path}/<split>")
         return _open_dir(path / "train", root, " (train split)")
-    arrows = sorted(path.glob("*.arrow"))
-    parquets = sorted(p for p in path.glob("*.parquet") if p.is_file())
-    jsonls = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _JSONL_SUFFIXES
-                    and p.name not in _HF_METADATA)
+    arrows = _data_files(path, (".arrow",))
+    parquets = _data_files(path, (".parquet",))
+    jsonls = [p for p in _data_files(path, _JSONL_SUFFIXES) if p.name not in _HF_METADATA]
     _refuse_mixed(path, {"Arrow": arrows, "Parquet": parquets, "JSONL": jsonls})
     if (path / "state.json").is_file() or (path / "dataset_info.json").is_file() or arrows:
         files = _state_files(path) or arrows
@@ -264,6 +289,22 @@ def _open_dir(path: Path, root: Path, note: str) -> Source:
         return JsonlSource(jsonls, root)
     raise UserError(f"unrecognised dataset directory {path} (no dataset_dict.json, state.json, .arrow, .parquet or "
                     f".jsonl files); pass {ACCEPTED}")
+
+
+def _data_files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """The regular files of directory `path` with one of `suffixes` (any case), sorted; a FIFO or a
+    device among them is refused (reading it would hang), a subdirectory is no data file."""
+    files = []
+    for p in sorted(path.iterdir()):
+        if p.suffix.lower() not in suffixes:
+            continue
+        special = _special(p)
+        if special:
+            raise UserError(f"dataset directory {path} holds {p.name}, which is {special}; move it out or write "
+                            "its rows to a regular file")
+        if p.is_file():
+            files.append(p)
+    return files
 
 
 def _refuse_mixed(path: Path, by_format: dict[str, list[Path]]) -> None:
@@ -301,6 +342,9 @@ def _state_files(path: Path) -> list[Path]:
     entries = _read_json(state).get("_data_files") or []
     files = [path / e["filename"] for e in entries if isinstance(e, dict) and "filename" in e]
     for f in files:
+        special = _special(f)
+        if special:
+            raise UserError(f"{state} lists {f.name}, which is {special}; re-save the dataset with save_to_disk")
         if not f.is_file():
             raise UserError(f"{state} lists {f.name} but the file is missing; re-save the dataset with save_to_disk")
     return files

@@ -65,6 +65,8 @@ def open_data(data: str, limit: int | None = None, chat: ChatSpec | None = None)
     """`--data`: a dataset path, or 'demo' for the built-in demo set; `chat` (the target's tokenizer,
     loaded only for a `messages` dataset, and --chat-template) renders chat rows."""
     if data == "demo":
+        if chat is not None and chat.chat_template is not None:  # its rows are tokenized already
+            raise UserError("--chat-template applies only to chat datasets, not --data demo; drop it")
         from dflash_cache.extract.demo import demo_table
 
         table = demo_table()
@@ -73,8 +75,6 @@ def open_data(data: str, limit: int | None = None, chat: ChatSpec | None = None)
                 raise UserError(f"--limit must be positive, got {limit}")
             table = table.slice(0, limit)
         return from_table(table, name="demo")
-    if chat is not None and chat.chat_template is not None and data == "demo":
-        raise UserError("--chat-template applies only to chat datasets, not --data demo; drop it")
     return open_dataset(data, limit=limit, chat=chat)
 
 

@@ -82,6 +82,14 @@ def check_layers(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
     return list(layer_ids)
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint files of a model directory (sharded ones included), sorted by name."""
+    return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+
+
 def weights_fingerprint(name: str) -> str:
     """Tells checkpoints of one architecture apart without reading them whole: sha256 over each
     weight file's name, size and first and last MiB (for `tiny`, all of its one small file)."""
@@ -89,8 +97,7 @@ def weights_fingerprint(name: str) -> str:
     if name == TINY:
         h.update(b"tiny:" + tiny_weights_path().read_bytes())
         return h.hexdigest()[:16]
-    files = sorted(p for p in Path(name).iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    for path in files:
+    for path in weight_files(Path(name)):
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
         hash_ends(h, path, size)
@@ -171,6 +178,10 @@ def _load_config(name: str, trust_remote_code: bool):
             f"--model {name}: not a local model directory with a config.json "
             "(models are never downloaded; pass a local path or 'tiny')"
         )
+    if not weight_files(path):  # checked before a cache is made for it: one made now would name no weights
+        kinds = ", ".join(f"*{suffix}" for suffix in WEIGHT_SUFFIXES)
+        raise UserError(f"--model {name}: no weight files ({kinds}) beside its config.json; pass the directory "
+                        "that holds the checkpoint's weights (copy them there)")
     from transformers import AutoConfig
 
     try:
@@ -179,22 +190,29 @@ def _load_config(name: str, trust_remote_code: bool):
         raise UserError(f"--model {name}: cannot read its config ({type(e).__name__}: {e})") from None
 
 
-def describe_target(spec: TargetSpec) -> TargetDescription:
-    """Resolve layer ids and the target's identity from its config; cheap, loads no weights."""
+def identify_target(spec: TargetSpec) -> tuple[Any, TargetIdentity]:
+    """The target's decoder config and identity, its layer choice left unchecked (`eval` compares
+    the identity with a drafter's before the layers that drafter reads); loads no weights."""
     dtype = parse_dtype(spec.dtype)
     config = text_config(_load_config(spec.model, spec.trust_remote_code))
-    total = int(config.num_hidden_layers)
-    layer_ids = check_layers(list(spec.layers), total) if spec.layers else select_layers(total, spec.num_layers)
-    identity = TargetIdentity(
+    return config, TargetIdentity(
         name=spec.model if spec.model == TINY else str(Path(spec.model).resolve()),
         model_type=str(getattr(config, "model_type", "unknown")),
         config_hash=config_hash(config),
         dtype=str(dtype).removeprefix("torch."),
-        num_hidden_layers=total,
+        num_hidden_layers=int(config.num_hidden_layers),
         hidden_size=int(config.hidden_size),
         vocab_size=int(config.vocab_size),
         weights_fingerprint=weights_fingerprint(spec.model),
     )
+
+
+def describe_target(spec: TargetSpec) -> TargetDescription:
+    """Resolve layer ids and the target's identity from its config; cheap, loads no weights."""
+    config, identity = identify_target(spec)
+    total = identity.num_hidden_layers
+    layer_ids = check_layers(list(spec.layers), total) if spec.layers is not None else \
+        select_layers(total, spec.num_layers)
     return TargetDescription(spec=spec, config=config, identity=identity, layer_ids=layer_ids)
 
 

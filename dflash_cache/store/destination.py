@@ -71,23 +71,6 @@ def disk_error(root: Path | str, exc: OSError, *, creating: bool = False) -> Use
     return UserError(f"cannot {what} {root}: {exc.strerror or exc}; check the path and permissions")
 
 
-def storage_errors() -> tuple[type[BaseException], ...]:
-    """What a failed request to object storage raises: fsspec's OSErrors, and botocore's own that
-    s3fs lets through (an endpoint that does not answer, missing credentials)."""
-    try:
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError:
-        return (OSError,)
-    return (OSError, BotoCoreError, ClientError)
-
-
-def storage_error(url: str, exc: BaseException) -> UserError:
-    """One line for a request that failed: the URL, the storage's reason, and what to check."""
-    return UserError(f"cannot write the cache at {url}: {one_line(exc)}; check the URL (its bucket must exist), the "
-                     "credentials (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the endpoint "
-                     "(AWS_ENDPOINT_URL), then run the same command again")
-
-
 class LocalDestination(LocalCache):
     """A cache directory on this machine: files renamed into place and fsynced."""
 
@@ -173,20 +156,12 @@ class RemoteDestination(RemoteCache):
     """A cache under a URL prefix: files staged locally, uploaded, and made visible by order."""
 
     kind = "prefix"
+    doing = "write"  # a failed request, even a read of what is there, is one line naming the URL (`guard`)
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self.errors = storage_errors()
         for rel in (COMMITS_DIR, SEGMENTS_DIR):  # other processes (ranks, an earlier run) may have written
             self.fs.invalidate_cache(self._key(rel))  # since this filesystem listed them (and the prefix)
-
-    @contextmanager
-    def guard(self) -> Iterator[None]:
-        """A failed request becomes one line naming the URL and what to check."""
-        try:
-            yield
-        except self.errors as e:
-            raise storage_error(self.url, e) from None
 
     def has(self, rel: str) -> bool:
         return self.fs.exists(self._key(rel))

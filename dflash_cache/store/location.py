@@ -9,8 +9,10 @@ no links to follow, so a key under the prefix is all there is to check.
 These are the reading side; `dflash_cache.store.destination` extends them with what extraction
 writes (`extract --out s3://...`). Repair and the live tee's `--write-cache` need a local
 directory. Credentials and endpoints come from the usual environment (for S3: AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible server), as fsspec's filesystems
-read them.
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for an S3-compatible server, AWS_MAX_ATTEMPTS for how
+often botocore tries a request), as fsspec's filesystems read them. A request that fails (an
+endpoint that does not answer, no credentials, a refusal) is one line naming the URL and what to
+check, whichever method made it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from zarr.storage import LocalStore
 
-from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.errors import CacheCorruptError, UserError, one_line
 from dflash_cache.files import inside, open_regular, read_json
 from dflash_cache.store.manifest import MANIFEST_FILE, Manifest, read_manifest
 from dflash_cache.store.segments import (
@@ -53,6 +56,45 @@ def is_url(spec: str | Path) -> bool:
     return isinstance(spec, str) and "://" in spec
 
 
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a failed request to object storage raises: fsspec's OSErrors, and botocore's own that
+    s3fs lets through (an endpoint that does not answer, missing credentials)."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return (OSError,)
+    return (OSError, BotoCoreError, ClientError)
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+    except ImportError:
+        return False
+    return isinstance(exc, NoCredentialsError | PartialCredentialsError)
+
+
+def storage_error(url: str, exc: BaseException, doing: str = "write") -> UserError:
+    """One line for a request that failed while `doing` ("read", "write") the cache at `url`: the
+    storage's reason and what to check."""
+    if _no_credentials(exc):
+        return UserError(f"cannot {doing} the cache at {url}: no credentials for the storage ({one_line(exc)}); "
+                         "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE for a profile in "
+                         "~/.aws/credentials), then run the same command again")
+    return UserError(f"cannot {doing} the cache at {url}: {one_line(exc)}; check the URL (its bucket must exist), "
+                     "the credentials (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and the endpoint "
+                     "(AWS_ENDPOINT_URL), then run the same command again")
+
+
+def _guarded(method: Callable) -> Callable:
+    """A RemoteCache method whose failed requests are one line (`RemoteCache.guard`)."""
+    @functools.wraps(method)
+    def wrapper(self: RemoteCache, *args: Any, **kwargs: Any) -> Any:
+        with self.guard():
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 def open_location(spec: str | Path | Location) -> Location:
     """Where the cache `spec` (a directory, a URL, or a location already) is read from."""
     if isinstance(spec, LocalCache | RemoteCache):
@@ -70,6 +112,12 @@ class LocalCache:
         return str(self.root)
 
     def exists(self) -> bool:
+        """Whether the directory is there; UserError when something else is in its place (a file
+        would otherwise read as 'does not exist', which sends the user looking for a typo)."""
+        if self.root.exists() and not self.root.is_dir():
+            what = "a file" if self.root.is_file() else "not a directory"
+            raise UserError(f"{self.root} is {what}, not a cache directory; pass the directory extract made "
+                            "(the one holding manifest.json)")
         return self.root.is_dir()
 
     def manifest(self) -> Manifest:
@@ -86,9 +134,10 @@ class LocalCache:
         path = self.root / name
         return path.stat().st_size if path.is_file() else None
 
-    def parquet(self, name: str, max_bytes: int) -> pa.Table | None:
-        """A Parquet file at the root (None if absent): inside the root, a regular file, at most
-        `max_bytes`; raises CacheCorruptError (outside), OSError, ValueError or ArrowException."""
+    def parquet(self, name: str, max_bytes: int, read: Callable[[Any], Any] = pq.read_table) -> Any:
+        """A Parquet file at the root, as `read` decodes it (None if absent): inside the root, a
+        regular file, at most `max_bytes`; raises CacheCorruptError (outside), OSError, ValueError
+        or ArrowException."""
         path = self.root / name
         if not os.path.lexists(path):  # a link out of the root is refused below, not skipped
             return None
@@ -97,7 +146,7 @@ class LocalCache:
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise ValueError(f"{size} bytes, more than the {max_bytes} expected")
-            return pq.read_table(f)
+            return read(f)
 
     def segment_files(self, name: str) -> tuple[Found, list[str]]:
         return segment_files(self.root, name)
@@ -129,7 +178,10 @@ class LocalCache:
 
 
 class RemoteCache:
-    """A cache under a URL prefix, read through fsspec (and zarr's fsspec store for the arrays)."""
+    """A cache under a URL prefix, read through fsspec (and zarr's fsspec store for the arrays).
+    Its methods that make requests are `_guarded`: a failed one is a UserError naming the URL."""
+
+    doing = "read"  # what a failed request was doing, for its one-line error
 
     def __init__(self, url: str) -> None:
         try:
@@ -143,9 +195,18 @@ class RemoteCache:
             raise UserError(f"cache {url}: {e}") from None
         self.url = url.rstrip("/")
         self.path = self.path.rstrip("/")
+        self.errors = storage_errors()
 
     def __str__(self) -> str:
         return self.url
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """A failed request becomes one line naming the URL and what to check."""
+        try:
+            yield
+        except self.errors as e:
+            raise storage_error(self.url, e, self.doing) from None
 
     def _key(self, rel: str) -> str:
         return f"{self.path}/{rel}"
@@ -185,9 +246,11 @@ class RemoteCache:
 
         return load
 
+    @_guarded
     def exists(self) -> bool:
         return self.fs.exists(self._key(MANIFEST_FILE)) or self.fs.isdir(self.path)
 
+    @_guarded
     def manifest(self) -> Manifest:
         if not self.fs.exists(self._key(MANIFEST_FILE)):
             raise CacheCorruptError(f"{self.url} is not a dflash-cache (no {MANIFEST_FILE}); check the URL")
@@ -197,6 +260,7 @@ class RemoteCache:
             raise CacheCorruptError(f"{self.url}/{MANIFEST_FILE} is unreadable ({e})") from None
         return Manifest.from_json(obj)
 
+    @_guarded
     def records(self) -> list[SegmentRecord]:
         """One listing, then every record fetched by concurrent requests: a cache of tens of
         thousands of segments would otherwise take a round trip per record to open."""
@@ -209,6 +273,7 @@ class RemoteCache:
         load = self._json_files({key(n): size for n, size in sizes.items() if n.endswith(".json")}, MAX_RECORD_BYTES)
         return records_from(sizes, lambda name: load(key(name)))
 
+    @_guarded
     def committed_names(self) -> list[str]:
         """The committed segments' names, sorted, from one listing (no record is fetched)."""
         try:
@@ -217,17 +282,20 @@ class RemoteCache:
             return []
         return [n[:-len(".json")] for n in record_files(str(entry).rsplit("/", 1)[-1] for entry in listing)]
 
+    @_guarded
     def size(self, name: str) -> int | None:
         try:
             return self.fs.size(self._key(name))
         except FileNotFoundError:
             return None
 
-    def parquet(self, name: str, max_bytes: int) -> pa.Table | None:
+    @_guarded
+    def parquet(self, name: str, max_bytes: int, read: Callable[[Any], Any] = pq.read_table) -> Any:
         if not self.fs.exists(self._key(name)):
             return None
-        return pq.read_table(pa.BufferReader(self._read(name, max_bytes)))
+        return read(pa.BufferReader(self._read(name, max_bytes)))
 
+    @_guarded
     def segment_files(self, name: str) -> tuple[Found, list[str]]:
         """Every key under the segment's prefix with its size (an object store has no links)."""
         if not NAME_RE.match(name):
@@ -242,6 +310,7 @@ class RemoteCache:
             return found, [f"more than {MAX_SEGMENT_FILES} files"]
         return found, []
 
+    @_guarded
     def segment_metas(self, name: str, sizes: dict[str, int | None]) -> Callable[[str], Any]:
         """A reader of the segment's JSON files `sizes` names (rel -> size from its listing), all
         fetched at once by concurrent requests: one round trip per segment, not two per array."""
@@ -249,6 +318,7 @@ class RemoteCache:
         load = self._json_files({key(rel): size for rel, size in sizes.items()}, MAX_ARRAY_META_BYTES)
         return lambda rel: load(key(rel))
 
+    @_guarded
     def fetch_segment(self, name: str, files: dict[str, int]) -> dict[str, bytes]:
         """Every file a segment's record lists, fetched by concurrent requests (one round trip's
         latency for the whole segment, where zarr would ask for each shard's index, then its chunks);

@@ -82,7 +82,8 @@ def test_ranges_choices_and_lists_are_usage_errors():
     assert "--mode" in usage_error(Toy, "--name", "n", "--mode", "medium")
     assert "comma-separated integers" in usage_error(Toy, "--name", "n", "--ids", "1,x")
     assert "--name" in usage_error(Toy)
-    assert parse(Toy, "--name", "n", "--ids", "").ids is None  # blank: not given
+    for blank in ("", " ", ","):  # never read as 'not given': `--ids "$IDS"` with IDS unset is a mistake
+        assert "is empty; give comma-separated integers like 1,9,17" in usage_error(Toy, "--name", "n", "--ids", blank)
 
 
 def test_gate_builds_its_config_only_when_on():
@@ -96,6 +97,14 @@ def test_gate_builds_its_config_only_when_on():
         parse(Toy, "--name", "n", "--extra")
     help_of = {o.name: o.help for o in config_options(Toy)}
     assert help_of["extra__data"] == "--extra: the data."
+
+
+def test_seed_range_is_checked_when_parsed():
+    """A seed past 32 bits would overflow torch's seeds (the trainer multiplies it) deep inside a run."""
+    with pytest.raises(click.BadParameter, match="0<=x<=4294967295"):
+        parse(TrainConfig, "--cache", "c", "--target", "tiny", "--out", "o", "--seed", str(2**70))
+    with pytest.raises(UserError, match="^--seed must be at most 4294967295"):
+        TrainConfig(cache="c", target="tiny", out="o", seed=2**32)
 
 
 def test_code_is_held_to_the_same_checks_naming_the_flag():

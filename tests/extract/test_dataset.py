@@ -216,6 +216,16 @@ class _one_line_error:
         return result
 
 
+def test_a_hub_name_says_that_only_local_datasets_are_read_and_how_to_save_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with _one_line_error(r"--data HuggingFaceH4/ultrachat_200k looks like a Hugging Face Hub name, but only local "
+                         r"datasets are read; save it first: .*load_dataset\('HuggingFaceH4/ultrachat_200k', "
+                         r"split='train'\)\.save_to_disk\('data/ultrachat_200k'\).*--data data/ultrachat_200k"):
+        open_dataset(Path("HuggingFaceH4/ultrachat_200k"))
+    with _one_line_error("dataset path data/rows.parquet does not exist"):  # a missing file is just missing
+        open_dataset(Path("data/rows.parquet"))
+
+
 def test_bad_paths(tmp_path: Path) -> None:
     with _one_line_error("does not exist"):
         open_dataset(tmp_path / "nope")
@@ -352,3 +362,59 @@ def test_directory_of_mixed_formats_is_refused(tmp_path: Path, other: str) -> No
 def test_hf_directory_metadata_json_is_not_jsonl(tmp_path: Path) -> None:
     ds = open_dataset(write_hf(tmp_path / "ds", make_table(), [7]))
     assert ds.num_rows == len(IDS)
+
+
+def _without_hanging(fn, seconds: float = 10.0):
+    """fn()'s exception (or None), failing the test, rather than hanging it, if fn blocks."""
+    import threading
+
+    caught: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            caught.append(None)
+        except BaseException as e:  # handed to the test
+            caught.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert caught, f"still reading after {seconds} s: it blocks"
+    return caught[0]
+
+
+def test_fifos_and_devices_are_never_read(tmp_path: Path) -> None:
+    """Reading a FIFO waits for a writer and /dev/zero never ends: refused by what they are, whether
+    named directly, found in a data directory, or listed by a save_to_disk directory."""
+    import os
+
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a named pipe"), (Path("/dev/zero"), "a character device")):
+        with _one_line_error(f"dataset path {path} is {kind}"):
+            open_dataset(path)
+    hf = write_hf(tmp_path / "hf", make_table(), [7])
+    os.mkfifo(hf / "extra.arrow")
+    err = _without_hanging(lambda: open_dataset(hf))
+    assert isinstance(err, UserError) and str(err) == (f"dataset directory {hf} holds extra.arrow, which is a named "
+                                                       "pipe (FIFO); move it out or write its rows to a regular file")
+    (hf / "extra.arrow").unlink()
+    state = json.loads((hf / "state.json").read_text())
+    (hf / state["_data_files"][0]["filename"]).unlink()
+    os.mkfifo(hf / state["_data_files"][0]["filename"])
+    err = _without_hanging(lambda: open_dataset(hf))
+    assert isinstance(err, UserError) and "which is a named pipe" in str(err)
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_data_without_a_supervised_token_is_refused(labels: bool) -> None:
+    """Nothing to learn: extraction would make a cache (and train --live a run) of no training signal."""
+    unsupervised = [[0] * len(ids) for ids in IDS]
+    with _one_line_error("no supervised token in any row " + (r"\(every label is -100\)" if labels else
+                                                              r"\(every loss_mask is 0\)")):
+        from_table(make_table(masks=unsupervised, labels=labels)).scan(vocab_size=None, max_len=None)
+    late = from_table(pa.table({"input_ids": [[1, 2, 3], [4, 5]], "loss_mask": [[0, 0, 1], [0, 1]]}))
+    with _one_line_error(r"no supervised token in any row within --max-len .*with loss_mask 1$"):
+        late.scan(vocab_size=None, max_len=1)  # supervised only past it
+    assert late.scan(vocab_size=None, max_len=None).supervised.tolist() == [1, 1]

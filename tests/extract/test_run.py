@@ -110,6 +110,8 @@ BAD_INPUTS = {
     "empty row": (pa.table({"input_ids": [[1, 2], []], "loss_mask": [[0, 1], []]}), "empty"),
     "length mismatch": (pa.table({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1]]}), "length"),
     "id outside vocab": (pa.table({"input_ids": [[1, 5000]], "loss_mask": [[0, 1]]}), "5000"),
+    "no supervised token": (pa.table({"input_ids": [[1, 2], [3]], "labels": [[-100, -100], [-100]]}),
+                            "no supervised token in any row (every label is -100)"),
 }
 
 
@@ -355,3 +357,16 @@ def test_segments_is_a_zarr_group_and_old_caches_still_resume(small_parquet, tmp
     extract(cfg, "cpu", echo=lambda *_: None)
     assert (out / "segments" / "zarr.json").is_file() and sample_ids(out) == list(range(48))
     assert not verify(CacheReader(out))
+
+
+@pytest.mark.parametrize(("has_gpu", "level"), [(False, "INFO"), (True, "WARNING")])
+def test_gpus_all_without_cuda_warns_only_where_the_machine_has_a_gpu(monkeypatch, caplog, has_gpu, level):
+    """On a plain CPU machine, running `--gpus all` (the default) on the CPU is news, not a warning."""
+    from dflash_cache.extract import run
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(run, "_machine_has_gpu", lambda: has_gpu)
+    with caplog.at_level("INFO", logger="dflash_cache.extract.run"):
+        assert run.parse_gpus("all") is None
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (level, "--gpus all: no CUDA device visible, running on the CPU")]

@@ -135,3 +135,26 @@ def test_an_unreadable_commit_record_on_s3_is_named(s3):
     fs.pipe(victim, b"{not json")
     with pytest.raises(CacheCorruptError, match=f"commit record {victim.rsplit('/', 1)[-1]} is unreadable"):
         CacheReader(f"s3://{BUCKET}/bad-record")
+
+
+def test_a_request_that_fails_mid_read_is_one_line(s3, monkeypatch):
+    """An endpoint lost while training reads (here: every later request refused) stops the read with
+    one line naming the URL and what to check, not botocore's traceback; a local file in the place
+    of a cache directory is named as a file."""
+    from botocore.exceptions import EndpointConnectionError
+
+    url = f"s3://{BUCKET}/demo"
+    reader = CacheReader(url)
+    name = reader.records[0].name
+
+    def refused(*args, **kwargs):
+        raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9/caches/demo")
+
+    for method in ("find", "cat", "cat_file", "ls", "exists", "size"):
+        monkeypatch.setattr(reader.location.fs, method, refused)
+    with pytest.raises(UserError, match=rf"^cannot read the cache at {url}: Could not connect to the endpoint URL: "
+                                        r"\"http://127.0.0.1:9/caches/demo\"; check the URL .*AWS_ENDPOINT_URL"):
+        reader.read_segment(name)
+    _, local = s3
+    with pytest.raises(UserError, match=r"manifest.json is a file, not a cache directory; pass the directory"):
+        CacheReader(local / "manifest.json")
