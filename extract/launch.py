@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from dflash_cache.cpu_threads import use_free_cores
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.logs import setup_logging
 
@@ -138,9 +139,9 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
     signal.signal(signal.SIGINT, _interrupted)
     folder = Path(reports)
     device = devices[int(os.environ["LOCAL_RANK"])]
-    if device.type == "cpu":  # ranks sharing the CPU split its cores, instead of each spinning on all of them
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sum(d.type == "cpu" for d in devices)))
     try:
+        # Ranks sharing the CPU split its free cores, instead of each spinning on all of them.
+        use_free_cores(device, share=sum(d.type == "cpu" for d in devices))
         fn(*args, device=device, echo=echo)
     except UserError as e:
         Report(rank, True, str(e), time.time()).write(folder)

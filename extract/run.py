@@ -19,11 +19,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from dflash_cache.cpu_threads import use_free_cores
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.dry_run import dry_run
@@ -49,7 +51,10 @@ def parse_gpus(spec: str, flag: str = "--gpus") -> list[int] | None:
     if spec == "all":
         n = torch.cuda.device_count()
         if n == 0:
-            log.warning("%s all: no CUDA device visible, running on the CPU", flag)
+            # A warning where torch cannot use the machine's GPU (a CPU build of torch, a driver problem);
+            # on a machine without one, news.
+            log.log(logging.WARNING if _machine_has_gpu() else logging.INFO,
+                    "%s all: no CUDA device visible, running on the CPU", flag)
             return None
         return list(range(n))
     try:
@@ -80,12 +85,19 @@ def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] =
     ranks = torchrun_env()
     if cfg.dry_run:
         if ranks is None or ranks[0] == 0:  # under torchrun, rank 0 answers for the world's devices
-            dry_run(cfg, gpu_devices(gpus) if ranks is None else [_torchrun_device()] * ranks[1], echo)
+            devices = gpu_devices(gpus) if ranks is None else [_torchrun_device()] * ranks[1]
+            use_free_cores(devices[0])  # the sample's rate is measured on it
+            dry_run(cfg, devices, echo)
         return
     if ranks is not None and ranks[1] > 1:
         extract_rank(cfg, device=_torchrun_device(), echo=echo)
         return
     extract_on(cfg, gpu_devices(gpus), echo)
+
+
+def _machine_has_gpu() -> bool:
+    """Whether the system shows an NVIDIA or AMD GPU's device files, whatever torch can see."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
 
 
 def gpu_devices(spec: str) -> list[torch.device]:
@@ -103,6 +115,7 @@ def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[
     """Extract on `devices`: one runs in this process, several as one launched rank each (the same
     device may repeat); either way `echo` is called here, in this process."""
     if len(devices) == 1:
+        use_free_cores(devices[0])
         extract_rank(cfg, device=devices[0], echo=echo)
     else:
         launch(extract_rank, (cfg,), devices, echo=echo, crash_hint=RESUME_HINT)

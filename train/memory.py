@@ -10,7 +10,8 @@ measured peaks; `bench/memory.py` measures both against the real peak on a GPU (
 
 Anchors per batch are not bounded by the data: a batch of many short samples holds up to
 `num_anchors` per sample. So unless `--max-anchors` is given, the trainer caps them at what fits
-(`fit_max_anchors`); an explicit setting that cannot fit is refused before the first step.
+(`fit_max_anchors`), and says so once if a batch offers more; an explicit setting that cannot fit is
+refused before the first step.
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ def fit_max_anchors(cfg: DrafterConfig, device: torch.device, *, context_tokens:
             raise UserError(f"--max-anchors {max_anchors} needs about {need:.1f} GiB per step ({where}); at most "
                             f"{fits} fits with --token-budget {context_tokens}")
         return max_anchors
-    log.info("anchors per batch capped at %d to fit %s (a step of %d context tokens: ~%.1f GiB); set "
-             "--max-anchors to choose", fits, where, context_tokens,
-             model.bytes(fits, cfg.block_size, context_tokens) / GIB)
+    # No news unless a batch offers more: the trainer says so, once, when one does.
+    log.debug("anchors per batch capped at %d to fit %s (a step of %d context tokens: ~%.1f GiB)", fits, where,
+              context_tokens, model.bytes(fits, cfg.block_size, context_tokens) / GIB)
     return fits
 
 

@@ -56,6 +56,13 @@ def test_default_cap_fits_an_80_gb_gpu_and_an_explicit_excess_is_refused_with_wh
         fit_max_anchors(QWEN3_8B, CUDA, context_tokens=32768, max_anchors=cap + 1, available=room)
 
 
+def test_finding_the_cap_says_nothing_the_trainer_says_it_if_it_binds(caplog):
+    """A cap that no batch reaches is no news: the trainer logs it once, when a batch had more anchors."""
+    with caplog.at_level("INFO", logger="dflash_cache.train.memory"):
+        fit_max_anchors(QWEN3_8B, CUDA, context_tokens=32768, max_anchors=None, available=int(79 * GIB * 0.85))
+    assert not caplog.messages
+
+
 def test_a_token_budget_beyond_the_device_is_refused_naming_the_largest_that_fits():
     with pytest.raises(UserError, match="lower --token-budget to at most"):
         fit_max_anchors(QWEN3_8B, CUDA, context_tokens=10**6, max_anchors=None, available=24 * GIB)
