@@ -24,7 +24,7 @@ from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch, PackedBatch, concatenate
 from dflash_cache.store.codecs import numpy_to_torch
-from dflash_cache.store.manifest import Manifest
+from dflash_cache.store.manifest import Manifest, TargetIdentity
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
 
@@ -35,9 +35,11 @@ class CacheSource:
     """Yields (Position after this batch, PackedBatch on `device`) for one rank."""
 
     def __init__(self, reader: CacheReader, config: SourceConfig, *, device: torch.device, rank: int = 0,
-                 world: int = 1, profiler: StageProfiler | None = None) -> None:
+                 world: int = 1, profiler: StageProfiler | None = None, max_batches: int | None = None) -> None:
+        """`max_batches`: this rank's batches of an epoch at most (a held-out evaluation's), so that
+        nothing past them is read ahead."""
         self.reader, self.config, self.device = reader, config, device
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.max_batches = rank, world, max_batches
         self.profiler = profiler or StageProfiler(None)
         index = reader.index
         self.table, order = SampleTable.sorted(*(index.column(c).to_numpy()
@@ -49,7 +51,7 @@ class CacheSource:
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
 
     def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world, start)
+        return self.table.epoch(self.config, epoch, self.rank, self.world, start)[:self.max_batches]
 
     def longest_sample(self) -> int:
         return int(self.table.lengths.max(initial=0))
@@ -155,18 +157,25 @@ class _HostRead:
 
 
 def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],
-                   hidden_size: int, vocab_size: int, weights_fingerprint: str | None = None) -> None:
-    """Refuse a cache made for another target or layer choice, naming the field that differs."""
+                   hidden_size: int, vocab_size: int, weights_fingerprint: str | None = None,
+                   target: TargetIdentity | None = None) -> None:
+    """Refuse a cache made for another target or layer choice, naming the field that differs and, given
+    `target` (the --target), both targets, with its sizes compared before the config hash."""
     expected = {
         "layer_ids": (tuple(manifest.layer_ids), tuple(layer_ids)),
         "hidden_size": (manifest.hidden_size, hidden_size),
         "target.vocab_size": (manifest.target.vocab_size, vocab_size),
     }
+    if target is not None:
+        expected["target.model_type"] = (manifest.target.model_type, target.model_type)
+        expected["target.num_hidden_layers"] = (manifest.target.num_hidden_layers, target.num_hidden_layers)
     if target_config_hash is not None:
         expected["target.config_hash"] = (manifest.target.config_hash, target_config_hash)
     if weights_fingerprint is not None:
         expected["target.weights_fingerprint"] = (manifest.target.weights_fingerprint, weights_fingerprint)
+    given = "the drafter/target needs" if target is None else f"--target {target.name} has"
     for name, (have, want) in expected.items():
         if have != want:
-            raise UserError(f"cache manifest field {name} is {have!r} but the drafter/target needs {want!r}; "
+            raise UserError(f"cache manifest field {name} is {have!r} (extracted from target {manifest.target.name}) "
+                            f"but {given} {want!r}; "
                             "extract a cache for this target and layers, or pass the matching --target")

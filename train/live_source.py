@@ -67,10 +67,12 @@ class LiveSource:
                  max_len: int | None, overlong: str, forward_plan: PlanConfig | None = None,
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, rank: int = 0,
                  world: int = 1, profiler: StageProfiler | None = None,
-                 tee: Callable[[int, PackedBatch, torch.cuda.Event | None], None] | None = None) -> None:
+                 tee: Callable[[int, PackedBatch, torch.cuda.Event | None], None] | None = None,
+                 max_batches: int | None = None) -> None:
+        """`max_batches`: this rank's batches of an epoch at most (a held-out evaluation's)."""
         if len(captures) != len(target_devices) or not captures:
             raise ValueError("one capture per target device")
-        self.dataset, self.table, self.config = dataset, table, config
+        self.dataset, self.table, self.config, self.max_batches = dataset, table, config, max_batches
         self.captures, self.target_devices, self.device = captures, target_devices, device
         self.max_len, self.overlong, self.queue_depth = max_len, overlong, queue_depth
         self.forward_plan = forward_plan or PlanConfig()
@@ -79,7 +81,16 @@ class LiveSource:
         self.tee = tee
 
     def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world, start)
+        return self.table.epoch(self.config, epoch, self.rank, self.world, start)[:self.max_batches]
+
+    def for_dataset(self, dataset: TokenizedDataset, table: SampleTable, config: SourceConfig,
+                    max_batches: int | None = None) -> LiveSource:
+        """A source of another dataset through this one's loaded targets (held-out batches): the
+        captures take one forward at a time, so both can run; no tee."""
+        return LiveSource(dataset=dataset, table=table, config=config, captures=self.captures,
+                          target_devices=self.target_devices, device=self.device, max_len=self.max_len,
+                          overlong=self.overlong, forward_plan=self.forward_plan, queue_depth=self.queue_depth,
+                          rank=self.rank, world=self.world, max_batches=max_batches)
 
     def longest_sample(self) -> int:
         return int(self.table.lengths.max(initial=0))

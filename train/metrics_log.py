@@ -37,6 +37,7 @@ class _Queued:
     until: Mark
     row: dict[str, Any]  # what the host knew at the log step
     tokens: int
+    left_out: float = 0.0  # seconds of the window spent on other work (evaluations): not in its rate
 
 
 @dataclass
@@ -54,14 +55,32 @@ class MetricsLog:
     _queued: _Queued | None = None
     _since: Mark | None = None
     _host: torch.Tensor | None = None  # pinned, reused: a fresh pinned buffer may wait for the device
+    _left_out: float = 0.0  # `leave_out`'s seconds in the window being timed
+    _other_rows: list[tuple[dict[str, Any], str | None]] = field(default_factory=list)  # `add`'s, not yet written
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
             self._host = torch.empty(self.slots + 4, dtype=torch.float32, pin_memory=True)
 
     def start(self) -> None:
-        """The first window's start (later windows start where the one before ended)."""
+        """Where the window being timed starts: the run's start, or the end of its first step, so that
+        start-up is no part of the rate (the trainer then counts the tokens from there). Later windows
+        start where the one before ended."""
         self._since = self._mark()
+        self._left_out = 0.0
+
+    def leave_out(self, seconds: float) -> None:
+        """Time of the window being timed that went to other work than training (an evaluation, with
+        the device idle before and after it): left out of its rate."""
+        self._left_out += seconds
+
+    def add(self, row: dict[str, Any], line: str | None = None) -> None:
+        """A row of another kind (an evaluation's: it says so in its own field), and the log line that
+        says it: written after the training row still queued, so that the file stays in step order,
+        or now when none is. Rank 0 writes it; it never becomes `last`."""
+        self._other_rows.append((row, line))
+        if self._queued is None:
+            self._write_other_rows()
 
     def queue(self, window: list[dict[str, torch.Tensor]], tokens: int, stop_requested: bool,
               row: dict[str, Any], skip_run: torch.Tensor | None = None) -> None:
@@ -92,8 +111,8 @@ class MetricsLog:
             stats = self._host.copy_(stats, non_blocking=True)  # the row before is written: it is free
             ready = torch.cuda.Event()
             ready.record()
-        self._queued = _Queued(stats, ready, self._since, until, row, tokens)
-        self._since = until
+        self._queued = _Queued(stats, ready, self._since, until, row, tokens, self._left_out)
+        self._since, self._left_out = until, 0.0
 
     def write(self) -> bool:
         """Write the queued row, if any (waiting for its copy, which by the next step has long
@@ -104,6 +123,7 @@ class MetricsLog:
         if q.ready is not None:
             q.ready.synchronize()
         seconds = q.since.elapsed_time(q.until) / 1e3 if isinstance(q.until, torch.cuda.Event) else q.until - q.since
+        seconds -= q.left_out
         loss, acc, stop = float(q.stats[0]), q.stats[1:-3], bool(q.stats[-1] > 0)  # acc: slots 1..B-1
         skipped, skip_run = int(round(float(q.stats[-3]))), int(round(float(q.stats[-2])))
         finite = math.isfinite(loss) and bool(torch.isfinite(acc).all())
@@ -124,7 +144,18 @@ class MetricsLog:
                 log.warning("step %d: %d of the last window's steps were skipped, their gradients not finite%s",
                             row["step"], skipped, f" ({skip_run} in a row)" if skip_run > 1 else "")
         self.last = row
+        self._write_other_rows()
         return stop
+
+    def _write_other_rows(self) -> None:
+        rows, self._other_rows = self._other_rows, []
+        if self.rank != 0 or not rows:
+            return
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(row, allow_nan=False) + "\n" for row, _ in rows))
+        for _, line in rows:
+            if line is not None:
+                log.info("%s", line)
 
     def write_finishing(self) -> None:
         """`write` for a run that is ending, also by an error: a device that cannot copy the row

@@ -18,6 +18,10 @@ from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.plan import DEFAULT_MAX_ROWS, DEFAULT_TOKEN_BUDGET
 from dflash_cache.train.attention_kernels import ATTENTION_KERNELS
 
+# torch takes 64-bit seeds, and the trainer derives its anchors' from --seed * 1000003 * 1009 (plus
+# step and rank); 32 bits keep that inside them (and are numpy's legacy range, which users know).
+MAX_SEED = 2**32 - 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class LiveConfig:
@@ -72,7 +76,8 @@ class TrainConfig:
     token_budget: int = option(32768, min=1, help="Real tokens per packed batch.")
     sliding_window: int | None = option(None, min=1, help="Make every drafter layer sliding-window attention "
                                                           "with this many tokens.")
-    seed: int = option(0, min=0, help="Seeds the drafter's initial weights, the epoch order and the anchors.")
+    seed: int = option(0, min=0, max=MAX_SEED, help="Seeds the drafter's initial weights, the epoch order and the "
+                                                    "anchors.")
     save_every: int = option(500, min=1, help="Checkpoint every N steps (and at exit).")
     nonfinite_limit: int = option(20, min=1, help="A step whose gradients are not finite (NaN or Inf) is skipped "
                                                   "(no update) and counted; stop with an error after this many "
@@ -99,6 +104,12 @@ class TrainConfig:
                                          "(flash-attention 4's kernels, pip install 'dflash-cache[flash]'; Hopper "
                                          "and Blackwell GPUs, heads of 128; faster, not bitwise reproducible), "
                                          "triton (inductor's; deterministic), auto (flash where it can run).")
+    eval_data: str | None = option(None, path="any", help="Held-out data evaluated during training: a cache made by "
+                                                          "`dflash-cache extract` for the same target and layers "
+                                                          "(directory or URL), or with --live also a dataset.")
+    eval_every: int | None = option(None, min=1, help="Evaluate on --eval-data every N steps (default: "
+                                                      "--save-every) and at the end.")
+    eval_batches: int = option(16, min=1, help="Held-out batches per evaluation (the same ones each time).")
     # The DFlash recipe's constants, and what defaults from the target (the mask token: an unused row).
     warmup_ratio: float = option(0.04, min=0, max=1, cli=False)
     weight_decay: float = option(0.0, min=0, cli=False)
@@ -110,3 +121,5 @@ class TrainConfig:
         check_options(self)
         if (self.cache is None) == (self.live is None):
             raise UserError("give either --cache DIR or --live with --data")
+        if self.eval_every is not None and self.eval_data is None:
+            raise UserError("--eval-every applies to an evaluation; add --eval-data with held-out data, or drop it")
