@@ -16,16 +16,18 @@ import torch
 from dflash_cache.errors import UserError
 from dflash_cache.extract.capture import HiddenStateCapture
 from dflash_cache.extract.chat import ChatSpec
+from dflash_cache.extract.dataset import TokenizedDataset
 from dflash_cache.extract.job import check_context, open_data
 from dflash_cache.extract.run import parse_gpus
 from dflash_cache.extract.target import TargetDescription, TargetSpec, describe_target, load_target
 from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import FrozenTargetHead
-from dflash_cache.train.epoch_plan import SourceConfig
+from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
 from dflash_cache.train.live_source import LiveSource, live_sample_table
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ class Parts:
     source: CacheSource | LiveSource
     drafter_cfg: DrafterConfig
     head: FrozenTargetHead
+    target: TargetIdentity  # what the drafter is trained for (its export records it)
 
 
 def source_config(cfg: TrainConfig) -> SourceConfig:
@@ -57,23 +60,31 @@ def _drafter_and_head(cfg: TrainConfig, target: TargetDescription, device: torch
     return drafter_cfg, FrozenTargetHead.from_target(load_target(target, device, keep=0))
 
 
-def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
-    reader = CacheReader(cfg.cache)
+def open_cache(location: str, *, allow_incomplete: bool) -> CacheReader:
+    """A cache to train or evaluate on: one whose extraction has not finished is refused unless
+    --allow-incomplete (then its committed segments are used, with a warning)."""
+    reader = CacheReader(location)
     m = reader.manifest
     if not reader.complete:
-        message = (f"cache {cfg.cache} is incomplete: {len(reader.records)} of {m.plan.num_segments} planned "
+        message = (f"cache {location} is incomplete: {len(reader.records)} of {m.plan.num_segments} planned "
                    "segments are committed")
-        if not cfg.allow_incomplete:
+        if not allow_incomplete:
             raise UserError(f"{message}; run the same `dflash-cache extract` again to finish it, or pass "
                             "--allow-incomplete to train on what is there")
         log.warning("%s; training on those (--allow-incomplete)", message)
+    return reader
+
+
+def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
+    reader = open_cache(cfg.cache, allow_incomplete=cfg.allow_incomplete)
+    m = reader.manifest
     target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
                                         trust_remote_code=cfg.trust_remote_code))
     check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
                    hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
-                   weights_fingerprint=target.identity.weights_fingerprint)
+                   weights_fingerprint=target.identity.weights_fingerprint, target=target.identity)
     source = CacheSource(reader, source_config(cfg), device=device, rank=rank, world=world, profiler=profiler)
-    return Parts(source, *_drafter_and_head(cfg, target, device))
+    return Parts(source, *_drafter_and_head(cfg, target, device), target.identity)
 
 
 def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int = 1) -> list[torch.device]:
@@ -91,14 +102,23 @@ def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int =
     return [torch.device("cuda", i) for i in mine]
 
 
+def live_dataset(cfg: TrainConfig, data: str, limit: int | None, *, vocab_size: int,
+                 max_context: int | None) -> tuple[TokenizedDataset, SampleTable]:
+    """A dataset the live target runs on (--data, or a held-out --eval-data): its rows under --max-len,
+    checked against the target's context, and the sample table a cache of it would hold."""
+    live = cfg.live
+    dataset = open_data(data, limit, ChatSpec(cfg.target, live.chat_template, cfg.trust_remote_code))
+    scan = dataset.scan(vocab_size=vocab_size, max_len=live.max_len, overlong=live.overlong)
+    check_context(scan.lengths, max_context, dataset)
+    return dataset, live_sample_table(scan, DEFAULT_BUCKETS)
+
+
 def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
     live = cfg.live
     target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
-    dataset = open_data(live.data, live.limit, ChatSpec(cfg.target, live.chat_template, cfg.trust_remote_code))
-    scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=live.max_len, overlong=live.overlong)
-    check_context(scan.lengths, target.max_context, dataset)
-    table = live_sample_table(scan, DEFAULT_BUCKETS)
+    dataset, table = live_dataset(cfg, live.data, live.limit, vocab_size=target.identity.vocab_size,
+                                  max_context=target.max_context)
     devices = target_devices(live.target_gpus, device, rank, world)
     captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]
     tee = None
@@ -113,4 +133,4 @@ def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, pr
                         target_devices=devices, device=device, max_len=live.max_len, overlong=live.overlong,
                         forward_plan=PlanConfig(token_budget=live.forward_token_budget, max_rows=live.forward_max_rows),
                         queue_depth=live.queue_depth, rank=rank, world=world, profiler=profiler, tee=tee)
-    return Parts(source, *_drafter_and_head(cfg, target, device))
+    return Parts(source, *_drafter_and_head(cfg, target, device), target.identity)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_cache.errors import UserError
 from dflash_cache.store.batch import IGNORE_INDEX
 from dflash_cache.train.anchors import Blocks
 from dflash_cache.train.config import DrafterConfig
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from dflash_cache.extract.chat import ChatSpec
 
 log = logging.getLogger(__name__)
+
+PROGRESS_LINES = 20  # progress lines per evaluation, about (the first and the last prompt's always)
 
 
 def _cache_kw(model: nn.Module) -> str:
@@ -208,11 +211,21 @@ class EvalResult:
     steps_per_prompt: list[int] = field(default_factory=list)  # verify forwards each prompt took
 
 
+def _per_second(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds else 0.0
+
+
 def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, cfg: DrafterConfig,
              prompts: list[list[int]], max_new_tokens: int) -> EvalResult:
+    """Greedy and speculative decoding of every prompt. Progress is logged after the first prompt, then
+    every few (about PROGRESS_LINES lines in all) and after the last: on a large target one prompt can
+    take a minute."""
     accepted: list[int] = []
     mismatches, steps = [], []
     t_greedy = t_spec = 0.0
+    every = max(1, -(-len(prompts) // PROGRESS_LINES))
+    log.info("eval: decoding %d prompts, %d new tokens each, greedily and speculatively (block size %d)",
+             len(prompts), max_new_tokens, cfg.block_size)
     for i, prompt in enumerate(prompts):
         t0 = time.perf_counter()
         reference = greedy_generate(target, prompt, max_new_tokens)
@@ -226,27 +239,40 @@ def evaluate(target: nn.Module, drafter: DFlashDrafter, head: FrozenTargetHead, 
             mismatches.append(i)
             log.warning("prompt %d: speculative output differs from greedy at token %d", i,
                         next(j for j, (a, r) in enumerate(zip(tokens, reference, strict=True)) if a != r))
+        done = i + 1
+        if done == 1 or done % every == 0 or done == len(prompts):
+            made = done * max_new_tokens
+            log.info("eval: %d/%d prompts, tau %.3f, speculative %.1f tok/s, target-only %.1f tok/s", done,
+                     len(prompts), float(np.mean(accepted)), _per_second(made, t_spec), _per_second(made, t_greedy))
     n = len(prompts) * max_new_tokens
     counts = np.bincount(accepted, minlength=cfg.block_size + 1)
     return EvalResult(
         tau=float(np.mean(accepted)) if accepted else 0.0,
         histogram={k: int(counts[k]) for k in range(1, cfg.block_size + 1)},
-        target_tok_s=n / t_greedy if t_greedy else 0.0,
-        speculative_tok_s=n / t_spec if t_spec else 0.0,
+        target_tok_s=_per_second(n, t_greedy),
+        speculative_tok_s=_per_second(n, t_spec),
         lossless=not mismatches,
         mismatches=mismatches,
         steps_per_prompt=steps,
     )
 
 
-def load_prompts(data: str, limit: int, chat: ChatSpec | None = None) -> list[list[int]]:
+def load_prompts(data: str, limit: int, chat: ChatSpec | None = None,
+                 vocab_size: int | None = None) -> list[list[int]]:
     """The first `limit` rows' prompts: each row's tokens before its first supervised one (for chat
-    data, `chat` says whose template renders it: the conversation up to the first assistant turn)."""
+    data, `chat` says whose template renders it: the conversation up to the first assistant turn).
+    Given the target's `vocab_size`, a row holding a token id outside it is a UserError naming the
+    row and the id (the target's embedding would fail on it with a traceback)."""
     from dflash_cache.extract.job import open_data
 
-    dataset = open_data(data, None, chat=chat)
+    dataset = open_data(data, limit, chat=chat)
+    if vocab_size is not None:
+        try:
+            dataset.scan(vocab_size=vocab_size, max_len=None)
+        except UserError as e:
+            raise UserError(f"--data {data}: {e}") from None
     prompts = []
-    for row in dataset.read_rows(0, min(limit, dataset.num_rows), max_len=None):
+    for row in dataset.read_rows(0, dataset.num_rows, max_len=None):
         first = int(np.argmax(row.loss_mask)) if row.loss_mask.any() else len(row.input_ids)
         if first > 0:
             prompts.append(row.input_ids[:first].astype(np.int64).tolist())

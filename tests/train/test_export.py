@@ -1,16 +1,30 @@
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from dflash_cache.errors import UserError
+from dflash_cache.extract.target import TargetSpec, describe_target
 from dflash_cache.extract.tiny import build_tiny_target, tiny_config
+from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, init_drafter
-from dflash_cache.train.export import drafter_from_export, export_drafter, load_exported
+from dflash_cache.train.export import (
+    check_target,
+    drafter_from_export,
+    export_drafter,
+    load_exported,
+    read_export,
+)
 from dflash_cache.train.speculative import greedy_generate, load_prompts
 
 LAYER_IDS = (1, 3, 5)
@@ -68,7 +82,9 @@ def test_config_json(exported):
     assert config["model_type"] == "qwen3"
     assert config["block_size"] == 8
     assert config["num_target_layers"] == tc.num_hidden_layers
-    assert config["dflash_config"] == {"target_layer_ids": list(LAYER_IDS), "mask_token_id": tc.vocab_size - 1}
+    assert config["dflash_config"] == {"target_layer_ids": list(LAYER_IDS), "mask_token_id": tc.vocab_size - 1,
+                                       "block_size": 8}
+    assert config["mask_token_id"] == tc.vocab_size - 1 and config["max_window_layers"] == 5
     assert config["layer_types"] == ["full_attention"] * 5
     assert config["sliding_window"] is None
     assert config["head_dim"] == 32
@@ -126,6 +142,22 @@ def test_sliding_round_trip(tmp_path):
     assert config["sliding_window"] == 64 and config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["dflash_config"]["mask_token_id"] == 7
     assert drafter_from_export(tmp_path)[0] == cfg
+
+
+@pytest.mark.parametrize(("types", "full_first"), [(("sliding_attention",) * 3, 0),
+                                                   (("full_attention", "sliding_attention", "sliding_attention"), 1)])
+def test_max_window_layers_agrees_with_layer_types(tmp_path, types, full_first):
+    """Loaders that derive layer_types from max_window_layers (Qwen3's convention: the first ones attend
+    fully) must get the very layer types the drafter was trained with."""
+    from transformers import Qwen3Config
+
+    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=3, block_size=4, sliding_window=64,
+                                    layer_types=types)
+    export_drafter(init_drafter(cfg, 0), cfg, tmp_path)
+    config, _ = load_exported(tmp_path)
+    assert config["max_window_layers"] == full_first
+    rebuilt = Qwen3Config(**{k: v for k, v in config.items() if k != "layer_types"})
+    assert list(rebuilt.layer_types) == list(types)
 
 
 def test_mismatched_drafter_rejected(tmp_path):
@@ -234,3 +266,114 @@ def test_spec_generate_is_lossless(remote):
         sampled = model.spec_generate(target=target, input_ids=torch.tensor([prompt]), max_new_tokens=3,
                                       temperature=1.0)
     assert sampled.shape == (1, len(prompt) + 3) and sampled[0, : len(prompt)].tolist() == prompt
+
+
+def tiny_identity(**changes) -> TargetIdentity:
+    """The tiny target's identity as training records it (the layers the drafters here read), with `changes`."""
+    identity = describe_target(TargetSpec(model="tiny", layers=LAYER_IDS)).identity
+    return dataclasses.replace(identity, **changes)
+
+
+def test_export_records_the_target_it_was_trained_for(exported, tmp_path):
+    cfg, drafter, _ = exported
+    export_drafter(drafter, cfg, tmp_path, target=tiny_identity())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["target"] == {"name": "tiny", "model_type": "qwen3", "config_hash": tiny_identity().config_hash,
+                                "dtype": "bfloat16", "num_hidden_layers": 8, "hidden_size": 128, "vocab_size": 2048,
+                                "weights_fingerprint": tiny_identity().weights_fingerprint}
+    assert config["dflash_config"]["target_layer_ids"] == list(LAYER_IDS)  # the layers it reads, recorded once
+    export = read_export(tmp_path)
+    assert export.target == tiny_identity() and export.cfg == cfg
+    assert read_export(exported[2]).target is None  # written without one, as exports before it was recorded
+
+
+def test_the_committed_demo_drafter_records_the_tiny_target(demo_drafter):
+    cfg, _, target = read_export(demo_drafter)
+    assert target == describe_target(TargetSpec(model="tiny", layers=cfg.target_layer_ids)).identity
+
+
+def _broken_exports() -> dict[str, tuple[Callable[[dict], Any], tuple[str, ...]]]:
+    """How a config.json can be broken (an edit of its dict, or text to write instead) and what the
+    one-line error must name besides the file."""
+    def drop(*keys: str) -> Callable[[dict], dict]:
+        def edit(config: dict) -> dict:
+            for key in keys:
+                parent, _, leaf = key.rpartition(".")
+                del (config[parent] if parent else config)[leaf]
+            return config
+        return edit
+
+    return {
+        "not json": (lambda _: '{"hidden_size": 128,', ("not a readable JSON file",)),
+        "a list": (lambda _: "[1, 2]", ("JSON list",)),
+        "no hidden_size": (drop("hidden_size"), ("lacks hidden_size",)),
+        "no layer ids": (drop("dflash_config.target_layer_ids"), ("dflash_config.target_layer_ids",)),
+        "no rope": (drop("rope_theta", "rope_parameters"), ("rope_theta",)),
+        "bad value": (lambda c: {**c, "num_attention_heads": "four"}, ("bad value",)),
+        "bad target": (lambda c: {**c, "target": {"name": "tiny"}}, ("target", "model_type")),
+    }
+
+
+@pytest.mark.parametrize("case", list(_broken_exports()))
+def test_a_broken_or_incomplete_config_is_one_line_naming_the_file(exported, tmp_path, case):
+    _, _, out = exported
+    edit, needles = _broken_exports()[case]
+    broken = tmp_path / "export"
+    shutil.copytree(out, broken)
+    edited = edit(json.loads((out / "config.json").read_text()))
+    (broken / "config.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    with pytest.raises(UserError) as e:
+        read_export(broken)
+    message = str(e.value)
+    assert str(broken / "config.json") in message and "\n" not in message, message
+    assert all(n in message for n in needles), message
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(exported, tmp_path):
+    _, _, out = exported
+    broken = tmp_path / "export"
+    shutil.copytree(out, broken)
+    config = json.loads((out / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4,
+                                                    "layer_types": ["full_attention"] * 4}))
+    with pytest.raises(UserError, match=r"model\.safetensors does not hold .*unexpected \['layers\.4\."):
+        read_export(broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="model.safetensors cannot be read"):
+        read_export(broken)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (dict(num_hidden_layers=10), "num_hidden_layers"), (dict(hidden_size=256), "hidden_size"),
+    (dict(vocab_size=4096), "vocab_size"), (dict(model_type="llama"), "model_type"),
+    (dict(config_hash="0123456789abcdef"), "config_hash"),
+])
+def test_another_target_is_refused_naming_both_and_the_field(exported, change, field):
+    cfg, _, out = exported
+    given = tiny_identity(name="/models/other", **change)
+    with pytest.raises(UserError) as e:
+        check_target(out, tiny_identity(), cfg, given)
+    message = str(e.value)
+    assert f"trained for target tiny ({field} {getattr(tiny_identity(), field)!r})" in message, message
+    assert f"--target /models/other has {field} {change[field]!r}" in message, message
+
+
+def test_the_same_target_passes_and_other_weights_only_warn(exported, caplog):
+    cfg, _, out = exported
+    with caplog.at_level(logging.WARNING):
+        check_target(out, tiny_identity(), cfg, tiny_identity(name="/moved/tiny"))  # another path, same model
+        assert not caplog.records
+        check_target(out, tiny_identity(), cfg, tiny_identity(name="/models/finetune", weights_fingerprint="f" * 16))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "/models/finetune" in caplog.text and "other weights" in caplog.text
+
+
+def test_an_export_without_a_target_warns_once_and_checks_what_its_tensors_need(exported, caplog):
+    cfg, _, out = exported
+    with caplog.at_level(logging.WARNING):
+        check_target(out, None, cfg, tiny_identity(name="/models/other", num_hidden_layers=10))
+    assert len(caplog.records) == 1 and "cannot check" in caplog.text and "/models/other" in caplog.text
+    with pytest.raises(UserError, match=r"needs a target with hidden_size 128, but --target /models/wide has 256"):
+        check_target(out, None, cfg, tiny_identity(name="/models/wide", hidden_size=256))
+    with pytest.raises(UserError, match=r"reads target layers \[1, 3, 5\], but --target /models/short has 6 layers"):
+        check_target(out, None, cfg, tiny_identity(name="/models/short", num_hidden_layers=6))

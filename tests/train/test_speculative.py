@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,6 +12,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from dflash_cache.cli import cli
+from dflash_cache.errors import UserError
 from dflash_cache.extract.target import TargetSpec, describe_target
 from dflash_cache.extract.tiny import build_tiny_target
 from dflash_cache.train import speculative
@@ -151,3 +153,40 @@ def test_eval_is_lossless_on_a_hybrid_target(family_target):
     result = evaluate(family_target, drafter, FrozenTargetHead.from_target(family_target), cfg,
                       [list(range(5, 25)), list(range(30, 47))], 16)
     assert result.lossless and sum(result.histogram.values()) > 0
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_one_line_naming_the_row_and_id(tmp_path):
+    """Without the check the target's embedding fails on the id with a traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8], [9, 4096, 11, 12]], "loss_mask": [[0, 0, 1, 1]] * 2}), data)
+    assert load_prompts(str(data), 1, vocab_size=2048) == [[5, 6]]  # the bad row is not among the first one
+    with pytest.raises(UserError) as e:
+        load_prompts(str(data), 2, vocab_size=2048)
+    message = str(e.value)
+    assert "row 1" in message and "token id 4096" in message and str(data) in message and "\n" not in message
+
+
+@pytest.mark.usefixtures("shared_references")
+def test_evaluate_logs_its_progress(tiny, caplog):
+    cfg = DrafterConfig.from_target(describe_target(TargetSpec(model="tiny")).config, (1, 2, 3, 4, 5), num_layers=1,
+                                    block_size=4)
+    with caplog.at_level(logging.INFO, logger=speculative.__name__):
+        evaluate(tiny.target, init_drafter(cfg, seed=0).float(), tiny.head, cfg, tiny.prompts[:3], max_new_tokens=8)
+    progress = [r.getMessage() for r in caplog.records if "/3 prompts" in r.getMessage()]
+    assert [m.split(" prompts")[0] for m in progress] == ["eval: 1/3", "eval: 2/3", "eval: 3/3"], caplog.text
+    assert all("tau" in m and "tok/s" in m for m in progress), progress
+
+
+def test_progress_lines_are_bounded_on_many_prompts(tiny, monkeypatch, caplog):
+    """One line per prompt would flood a long evaluation: the first prompt's, then every few."""
+    monkeypatch.setattr(speculative, "greedy_generate", lambda target, prompt, n: [0] * n)
+    monkeypatch.setattr(speculative, "speculative_generate", lambda *a: ([0] * a[-1], [1] * a[-1]))
+    with caplog.at_level(logging.INFO, logger=speculative.__name__):
+        evaluate(tiny.target, None, tiny.head, DrafterConfig.from_target(describe_target(TargetSpec(model="tiny")).config,
+                                                                         (1, 2), num_layers=1, block_size=4),
+                 [[1]] * 100, max_new_tokens=2)
+    done = [r.getMessage().split()[1] for r in caplog.records if "/100 prompts" in r.getMessage()]
+    assert done[0] == "1/100" and done[-1] == "100/100" and len(done) == speculative.PROGRESS_LINES + 1, done
