@@ -19,12 +19,15 @@ if __name__ == "__main__" and not sys.flags.safe_path:
 
 import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import click  # noqa: E402
 
 from dflash_cache import __version__  # noqa: E402
+from dflash_cache.cpu_threads import ENV as CPU_THREADS_ENV  # noqa: E402
+from dflash_cache.cpu_threads import use_free_cores  # noqa: E402
 from dflash_cache.errors import UserError  # noqa: E402
 from dflash_cache.logs import setup_logging  # noqa: E402
 from dflash_cache.options import ConfigCommand  # noqa: E402
@@ -52,9 +55,13 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="dflash-cache")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def cli(verbose: bool) -> None:
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
+              help="torch threads for CPU work (sets OMP_NUM_THREADS) [default: the cores free now].")
+def cli(verbose: bool, cpu_threads: int | None) -> None:
     """Offline-cached two-phase training of DFlash speculative-decoding drafters."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
+    if cpu_threads is not None:  # the variable, so that the ranks a command launches get it too
+        os.environ[CPU_THREADS_ENV] = str(cpu_threads)
 
 
 @cli.command(cls=ConfigCommand, config="dflash_cache.extract.config:ExtractConfig")
@@ -78,9 +85,9 @@ def regenerate(cfg: RegenerateConfig, device: str) -> None:
     from dflash_cache.extract.regenerate import regenerate as run_regenerate
     from dflash_cache.train.trainer import resolve_device
 
-    r = run_regenerate(cfg, resolve_device(device))
-    click.echo(f"wrote {cfg.out}: {r.rows} conversations, {r.turns} assistant turns regenerated ({r.tokens} tokens, "
-               f"{r.cut} cut at --max-new-tokens); {r.dropped} rows dropped")
+    dev = resolve_device(device)
+    use_free_cores(dev)
+    run_regenerate(cfg, dev, echo=click.echo)  # its result line: written, or already complete
 
 
 @cli.command(cls=ConfigCommand, config="dflash_cache.train.run_config:TrainConfig")
@@ -125,34 +132,41 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
     """Speculative decoding with an exported drafter: tau, its histogram, speed, and a lossless check."""
     import dataclasses
 
-    import torch
-
     from dflash_cache.extract.chat import ChatSpec
-    from dflash_cache.extract.target import TargetSpec, describe_target, load_target, parse_dtype
+    from dflash_cache.extract.target import (
+        TargetDescription,
+        TargetSpec,
+        identify_target,
+        load_target,
+        parse_dtype,
+    )
     from dflash_cache.train.drafter import FrozenTargetHead
-    from dflash_cache.train.export import drafter_from_export
+    from dflash_cache.train.export import check_target, read_export
     from dflash_cache.train.speculative import evaluate, load_prompts
+    from dflash_cache.train.trainer import resolve_device
 
     path = Path(drafter)
     path = path / "export" if (path / "export" / "config.json").is_file() else path
     if not (path / "config.json").is_file():
         raise UserError(f"--drafter {drafter}: no exported drafter (config.json) there; pass a run or export directory")
-    cfg, model = drafter_from_export(path)
+    dev = resolve_device(device)
+    use_free_cores(dev)
+    export = read_export(path)
+    cfg = export.cfg
     if block_size is not None:
         if not 2 <= block_size <= cfg.block_size:
             raise UserError(f"--block-size must be in 2..{cfg.block_size} (the trained block size)")
         cfg = dataclasses.replace(cfg, block_size=block_size)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-    desc = describe_target(TargetSpec(model=target, layers=tuple(cfg.target_layer_ids), dtype=dtype))
-    if desc.identity.vocab_size != cfg.vocab_size or desc.hidden_size != cfg.hidden_size:
-        raise UserError(f"the drafter was trained for a target with vocab {cfg.vocab_size} and hidden size "
-                        f"{cfg.hidden_size}; {target} has {desc.identity.vocab_size} and {desc.hidden_size}")
-    target_model = load_target(desc, dev, keep=desc.identity.num_hidden_layers)
-    head = FrozenTargetHead.from_target(target_model)
-    model = model.to(device=dev, dtype=parse_dtype(dtype)).eval()
-    prompts = load_prompts(data, limit, chat=ChatSpec(model=target))
+    spec = TargetSpec(model=target, layers=tuple(cfg.target_layer_ids), dtype=dtype)
+    config, identity = identify_target(spec)
+    check_target(path, export.target, cfg, identity)  # before the layers are used: a mismatch is named first
+    desc = TargetDescription(spec=spec, config=config, identity=identity, layer_ids=list(cfg.target_layer_ids))
+    prompts = load_prompts(data, limit, chat=ChatSpec(model=target), vocab_size=identity.vocab_size)
     if not prompts:
         raise UserError(f"{data}: no row has a prompt (tokens before the first supervised one)")
+    target_model = load_target(desc, dev, keep=identity.num_hidden_layers)
+    head = FrozenTargetHead.from_target(target_model)
+    model = export.drafter.to(device=dev, dtype=parse_dtype(dtype)).eval()
     r = evaluate(target_model, model, head, cfg, prompts, max_new_tokens)
     click.echo(f"prompts {len(prompts)}, {max_new_tokens} new tokens each, block size {cfg.block_size}")
     click.echo(f"tau (tokens per target forward): {r.tau:.3f}")
@@ -162,6 +176,20 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
                f"NOT LOSSLESS: prompts {r.mismatches} differ from greedy decoding")
     if not r.lossless:
         sys.exit(1)
+
+
+@cli.command(name="serve-command")
+@click.argument("export", type=click.Path())
+@click.option("--engine", required=True, type=click.Choice(["sglang", "vllm", "speculators"]),
+              help="Serve with SGLang or vLLM, or convert to the speculators format and serve that with vLLM.")
+@click.option("--target", default=None, help="The target model to serve [default: the one the export records].")
+@click.option("--converted", default=None, help="speculators: directory for the conversion [default: EXPORT-speculators].")
+def serve_command(export: str, engine: str, target: str | None, converted: str | None) -> None:
+    """Print the command line(s) that serve an exported drafter, its block size from its config.json
+    (docs/serving.md)."""
+    from dflash_cache.train.serving import format_command, serve_commands
+
+    click.echo("\n\n".join(format_command(argv) for argv in serve_commands(engine, Path(export), target, converted)))
 
 
 @cli.command()

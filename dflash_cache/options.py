@@ -7,13 +7,19 @@ the same range and choice checks in `__post_init__`, so configs built in code (t
 are held to what the command line enforces. Adding an option is adding a field.
 
 Field types decide the option's kind: int, float and str take a value; bool is a flag (`--name`,
-or `--no-name` when it defaults to True); `tuple[int, ...]` is a comma list like 1,9,17; `X | None`
-is optional. A nested config field becomes its fields' options, flat; a nested `Config | None`
-field with `option(None, help=...)` becomes a flag (like `--live`) that turns that config on.
+or `--no-name` when it defaults to True); `tuple[int, ...]` is a comma list like 1,9,17 (never
+blank); `X | None` is optional. A nested config field becomes its fields' options, flat; a nested
+`Config | None` field with `option(None, help=...)` becomes a flag (like `--live`) that turns that
+config on.
+
+Every `ConfigCommand` also takes `--config FILE` (`dflash_cache.config_files`): the file's keys are
+the command's option names without the dashes, its values fill what the command line leaves out
+(click's default map), and they go through the options' own types and checks.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import types
@@ -91,19 +97,18 @@ def check_options(config: Any) -> None:
 
 
 class IntList(click.ParamType):
-    """Comma-separated integers like 1,9,17, as a tuple; blank is None for an optional field."""
+    """Comma-separated integers like 1,9,17, as a tuple. Blank is refused, not read as 'not given':
+    `--layers "$LAYERS"` with LAYERS unset would otherwise quietly fall back to the default."""
 
     name = "integers"
-
-    def __init__(self, optional: bool) -> None:
-        self.optional = optional
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if value is None or isinstance(value, tuple):
             return value
         parts = [p for p in str(value).split(",") if p.strip()]
-        if not parts and self.optional:
-            return None
+        if not parts:
+            self.fail(f"{value!r} is empty; give comma-separated integers like 1,9,17, or leave the option out",
+                      param, ctx)
         try:
             return tuple(int(p) for p in parts)
         except ValueError:
@@ -156,7 +161,7 @@ def _has_default(f: Field) -> bool:
 def _click_type(entry: _Entry) -> click.ParamType:
     spec, t = entry.field.metadata[_METADATA_KEY], entry.type
     if t == tuple[int, ...]:
-        return IntList(entry.optional)
+        return IntList()
     if t is int or t is float:
         if spec.min is None and spec.max is None:
             return click.INT if t is int else click.FLOAT
@@ -256,6 +261,55 @@ def _given(cls: type, values: Mapping[str, Any], prefix: tuple[str, ...]) -> lis
     return given
 
 
+CONFIG_FLAG = "--config"
+
+
+def _options_from_file(ctx: click.Context, param: click.Parameter, path: str | None) -> None:
+    """--config's callback (eager, so it runs before the other options are read): the file's values
+    become the defaults of the options the command line leaves out, checked here by each option's
+    own type so that a mistake names the file."""
+    if path is None or ctx.resilient_parsing:
+        return
+    from dflash_cache.config_files import read_config_file
+
+    by_key = {o[2:]: p for p in ctx.command.get_params(ctx) if isinstance(p, click.Option) and p.expose_value
+              for o in p.opts if o.startswith("--")}
+    values: dict[str, Any] = {}
+    for key, value in read_config_file(path).items():
+        key = str(key)
+        option = by_key.get(key.replace("_", "-"))
+        if option is None:
+            close = difflib.get_close_matches(key.replace("_", "-"), by_key, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else \
+                f"the keys are the options of `{ctx.command_path} --help` without their leading dashes"
+            raise UserError(f"{path}: no option {key!r} here; {hint}")
+        if option.name in values:
+            raise UserError(f"{path}: {option.opts[0][2:]!r} is given twice (as - and _ spellings); keep one")
+        values[option.name] = _file_value(ctx, option, key, value, path)
+    ctx.default_map = {**(ctx.default_map or {}), **{k: v for k, v in values.items() if v is not None}}
+
+
+def _file_value(ctx: click.Context, option: click.Option, key: str, value: Any, path: str) -> Any:
+    """A file's value for `option` as its parsed value, or None for none (null, a flag set false): a
+    flag takes true or false; anything else is converted from its command-line text by the option's
+    type, so that it passes exactly what the command line passes (a list for a comma list)."""
+    if value is None:
+        return None
+    if option.is_flag:
+        if not isinstance(value, bool):
+            raise UserError(f"{path}: {key!r} is a flag: give true or false, not {value!r}")
+        return (not option.default) if value else None  # our flags: given, they flip their default
+    if isinstance(value, list) and isinstance(option.type, IntList):
+        value = ",".join(map(str, value))
+    if isinstance(value, bool | list | dict):
+        shown = "true or false" if isinstance(value, bool) else f"a {type(value).__name__}"
+        raise UserError(f"{path}: {key!r} takes a value, not {shown}; give it as on the command line")
+    try:
+        return option.type_cast_value(ctx, str(value))
+    except click.BadParameter as e:
+        raise UserError(f"Invalid value for {key!r} in {path}: {e.message}") from None
+
+
 class ConfigCommand(click.Command):
     """A click command whose options are generated from a config class, and whose callback receives
     the built config as `cfg` (beside any options declared on the command itself).
@@ -269,6 +323,10 @@ class ConfigCommand(click.Command):
         super().__init__(*args, **kwargs)
         self._config = config
         self._generated: list[click.Option] | None = None
+        self.params.append(click.Option(
+            [CONFIG_FLAG], metavar="FILE", is_eager=True, expose_value=False, callback=_options_from_file,
+            help="Options from a YAML, TOML or JSON file: option names without the dashes as keys "
+                 "(token-budget: 4096); options given on the command line override it."))
 
     def config_class(self) -> type:
         if isinstance(self._config, str):
@@ -295,3 +353,29 @@ class ConfigCommand(click.Command):
         values = {o.name: ctx.params.pop(o.name) for o in self.generated_options()}
         ctx.params["cfg"] = build_config(self.config_class(), values)
         return super().invoke(ctx)
+
+
+def cli_values(config: Any) -> dict[str, Any]:
+    """Every command-line option of `config` (nested configs' too) by flag, as typed: a flag's
+    value (a gate's too) is whether it is given. What a run records, so that a later run can say
+    which of them it changed."""
+    out: dict[str, Any] = {}
+    for entry in _entries(type(config)):
+        value = getattr(config, entry.field.name)
+        if entry.kind == "nested":
+            out.update(cli_values(value))
+        elif entry.kind == "gate":
+            out[flag_of(entry.field)] = value is not None
+            if value is not None:
+                out.update(cli_values(value))
+        elif entry.kind == "option":
+            flag = flag_of(entry.field)
+            out[flag] = (not value) if isinstance(value, bool) and flag.startswith("--no-") else value
+    return out
+
+
+def file_values(config: Any) -> dict[str, Any]:
+    """`cli_values` as a `--config` file holds them: flags without their dashes as keys, comma lists
+    as on the command line (1,9,17). What a run writes, so that the file runs it again."""
+    return {flag.removeprefix("--"): ",".join(map(str, v)) if isinstance(v, tuple) else v
+            for flag, v in cli_values(config).items()}

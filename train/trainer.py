@@ -24,11 +24,15 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from dflash_cache.errors import UserError, compile_failure
+from dflash_cache.config_files import run_config_written
+from dflash_cache.cpu_threads import use_free_cores
+from dflash_cache.errors import UserError, compile_failure, write_error
 from dflash_cache.files import write_bytes_atomic
+from dflash_cache.options import cli_values
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.store.lock import CacheLock
+from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.train.anchors import Blocks, sample_anchors
 from dflash_cache.train.attention_kernels import choose_attention_kernels
 from dflash_cache.train.cache_source import CacheSource
@@ -57,6 +61,7 @@ from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.optim import clipped_step, drafter_optimizer, warmup_cosine
 from dflash_cache.train.precision import Precision, fp32_allreduce_hook
 from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.run_directory import tidy as tidy_run_directory
 from dflash_cache.train.static_shapes import (
     PAD_DOCUMENT,
     Context,
@@ -66,9 +71,11 @@ from dflash_cache.train.static_shapes import (
     planned_batches,
     warm_up_batch,
 )
+from dflash_cache.train.validation import Validation, check_eval_data
 
 log = logging.getLogger(__name__)
-# Below this share of the anchors the batches offer, the run says once that the anchor cap binds.
+# The run says once that the anchor cap binds, the first time it does: as a warning when it kept less
+# than this share of the anchors the batches offered.
 ANCHORS_KEPT_WARNING = 0.9
 # Epochs whose batches choose the static shapes; a batch of a later epoch that fits none adds one.
 PLANNED_EPOCHS = 8
@@ -109,11 +116,16 @@ class Trainer:
         from dflash_cache.train.assemble import cache_parts, live_parts
 
         t0 = time.perf_counter()
+        check_eval_data(cfg)
         profiler = StageProfiler(interval_from_env(cfg.profile_interval), prefix=f"[rank {rank}] ")
         parts = (cache_parts if cfg.cache is not None else live_parts)(cfg, device, rank, world, profiler)
+        validation = Validation.build(cfg, train_source=parts.source, drafter_cfg=parts.drafter_cfg,
+                                      target=parts.target, device=device, rank=rank, world=world)
         trainer = cls(cfg, source=parts.source, drafter_cfg=parts.drafter_cfg, head=parts.head, device=device,
                       rank=rank, world=world, profiler=profiler, precision=precision)
         trainer.build_seconds = time.perf_counter() - t0
+        trainer.target = parts.target
+        trainer.validation = validation
         return trainer
 
     def __init__(self, cfg: TrainConfig, *, source: Source, drafter_cfg: DrafterConfig, head: FrozenTargetHead,
@@ -159,7 +171,7 @@ class Trainer:
         self._anchors_rewind: torch.Tensor | None = None
         # Anchors kept and offered over the steps since the last metrics row (`_window_fields`).
         self._anchors_kept = self._anchors_offered = 0
-        self._warned_anchor_cap = False
+        self._said_anchor_cap = False
         self.skip_run: torch.Tensor | None = None  # steps skipped in a row (gradients not finite), on the device
         self.backend = "flex" if device.type == "cuda" else "dense"
         # The shapes every step is padded to when the layers are compiled (None: steps run as they come).
@@ -182,6 +194,8 @@ class Trainer:
         self.step, self.position, self.tokens_seen = 0, Position(0, 0), 0
         self._metrics: MetricsLog | None = None  # fit's; save() writes its queued row first
         self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
+        self.target: TargetIdentity | None = None  # set by build(): the export records it
+        self.validation: Validation | None = None  # set by build() with --eval-data
         log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6,
                  per_epoch, self.total_steps)
@@ -255,6 +269,7 @@ class Trainer:
             state = TrainerState(step=self.step, epoch=self.position.epoch, batch=self.position.batch,
                                  tokens_seen=self.tokens_seen, world=self.world, run=self.run_identity(),
                                  anchor_cap=self.max_anchors, total_steps=self.total_steps,
+                                 options=json.loads(json.dumps(cli_values(self.cfg))),
                                  scheduler=self.scheduler.state_dict(),
                                  optimizer_hparams=optimizer_hparams(self.optimizer))
             path = save_checkpoint(self.out / "checkpoints", model=self.model, optimizer=self.optimizer,
@@ -271,7 +286,7 @@ class Trainer:
         for path in candidates:
             try:
                 state = read_state(path)
-                check_same_run(state.run, self.run_identity(), path)
+                check_same_run(state.run, self.run_identity(), path, target=self.cfg.target)
                 tensors = read_tensors(path)
                 rng = apply_tensors(tensors, state, model=self.model, optimizer=self.optimizer)
             except UnreadableCheckpoint as e:
@@ -287,6 +302,7 @@ class Trainer:
     def _restore_from(self, path: Path, state: TrainerState, rng: dict[str, torch.Tensor]) -> None:
         self.scheduler.load_state_dict(state.scheduler)
         self._apply_changed_schedule(state)
+        self._say_changed_options(state)
         if self.cfg.max_anchors is None:  # the cap found at the start, unless less memory is free now
             self.max_anchors = min(self.max_anchors, state.anchor_cap)
         self.step, self.position, self.tokens_seen = state.step, Position(state.epoch, state.batch), state.tokens_seen
@@ -324,6 +340,24 @@ class Trainer:
         if state.total_steps is not None and state.total_steps != self.total_steps and state.world == self.world:
             log.info("--max-steps/--epochs changed on resume: the schedule now ends at step %d (it ended at %d)",
                      self.total_steps, state.total_steps)
+
+    # Options a resume refuses to change (run_identity), those the schedule says itself, --resume, and
+    # --out (a run directory may be moved).
+    _SAID_ELSEWHERE = ("--seed", "--token-budget", "--num-anchors", "--max-anchors", "--block-size", "--draft-layers",
+                       "--sliding-window", "--lr", "--max-steps", "--epochs", "--resume", "--out")
+
+    def _say_changed_options(self, state: TrainerState) -> None:
+        """The other options given anew on a resume apply as given; one line names each that changed
+        since the checkpoint's run, so none changes without a word."""
+        if state.options is None or self.rank != 0:
+            return
+        now = json.loads(json.dumps(cli_values(self.cfg)))
+        changed = [f"{flag} {_shown(now.get(flag))} (was {_shown(state.options.get(flag))})"
+                   for flag in sorted(set(now) | set(state.options))
+                   if flag not in self._SAID_ELSEWHERE and now.get(flag) != state.options.get(flag)]
+        if changed:
+            log.info("--resume: options changed since the checkpoint's run, applied from step %d: %s", state.step,
+                     "; ".join(changed))
 
     def _remaining_steps(self) -> int:
         """This rank's steps from the current position to the end of the last epoch."""
@@ -452,20 +486,26 @@ class Trainer:
     def _forward_backward_once(self, inputs: StepInputs, net: torch.nn.Module, profiler: StageProfiler,
                                while_queued: Callable[[], None] | None, *,
                                eager: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, correct = self.forward_loss(inputs, net, profiler, eager=eager)
+        if while_queued is not None:
+            while_queued()
+        with profiler.device_span("drafter.backward", self._stream()):
+            loss.backward()
+        return loss, correct
+
+    def forward_loss(self, inputs: StepInputs, net: torch.nn.Module, profiler: StageProfiler, *,
+                     eager: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter forward and loss of a step, (loss, correct [A * (B - 1)]): a training step's first
+        half, and all of a held-out batch's evaluation (dflash_cache.train.validation)."""
         stream, blocks, context = self._stream(), inputs.blocks, inputs.context
         with profiler.device_span("drafter.forward", stream), self.precision.autocast_on(self.device):
             features = context.features if self.device.type == "cuda" else context.features.float()
             scored = self._scored_hidden(net, features, context.positions, blocks, inputs.masks,
                                          static=inputs.shape is not None, eager=eager)
         with profiler.device_span("dflash.chunked_loss", stream):
-            loss, correct = chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
-                                                blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
-                                                kernel=self.loss_kernel)
-        if while_queued is not None:
-            while_queued()
-        with profiler.device_span("drafter.backward", stream):
-            loss.backward()
-        return loss, correct
+            return chunked_weighted_ce(scored, self.head.lm_head_weight, blocks.labels[:, 1:].reshape(-1),
+                                       blocks.weights[:, 1:].reshape(-1), chunk_size=self.cfg.loss_chunk,
+                                       kernel=self.loss_kernel)
 
     def _scored_hidden(self, net: torch.nn.Module, features: torch.Tensor, ctx_positions: torch.Tensor,
                        blocks: Blocks, masks: dict, *, static: bool, eager: bool) -> torch.Tensor:
@@ -544,6 +584,8 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         if self.rank == 0:
             truncate_metrics(metrics_path, self.step)
+            if self.validation is not None:
+                log.info("evaluation: %s", self.validation.describe())
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rank == 0))
         metrics = MetricsLog(metrics_path, self.device, slots=cfg.block_size - 1, rank=self.rank, world=self.world)
@@ -553,6 +595,12 @@ class Trainer:
         metrics.start()
         tok_window = 0
         t_start, first_step = time.perf_counter(), True
+        log_from = self.step  # a row every --log-every steps from here: after a resume too, whole windows
+        fit_from = self.step
+
+        def ends_window(step: int) -> bool:
+            return (step - log_from) % cfg.log_every == 0 or step == self.total_steps
+
         steps = batches = None
         try:
             with DeferredInterrupt() as interrupt:
@@ -567,12 +615,17 @@ class Trainer:
                         break
                     position, batch, step_metrics = stepped
                     window.append(step_metrics)
-                    if first_step:
-                        self._log_startup(t_start, t_batch, warm_up)
-                        first_step = False
                     self.step, self.position = self.step + 1, position
                     self.tokens_seen += batch.num_tokens
                     tok_window += batch.num_tokens
+                    if first_step:
+                        self._log_startup(t_start, t_batch, warm_up)
+                        first_step = False
+                        if not ends_window(self.step):
+                            # Start-up (the first read, compiling) is no part of the rate: the first window
+                            # is timed from the end of its first step, unless that step is all it holds.
+                            metrics.start()
+                            tok_window = 0
                     self.profiler.add_tokens(batch.num_tokens)
                     self.profiler.maybe_report()
                     bar.update(1)
@@ -583,7 +636,7 @@ class Trainer:
                     if metrics.last is not shown and metrics.last["loss"] is not None:
                         bar.set_postfix(loss=f"{metrics.last['loss']:.3f}", tau=f"{metrics.last['tau_hat']:.2f}")
                     self._stop_if_diverged(metrics.last)
-                    if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    if ends_window(self.step):
                         metrics.queue(window, tok_window, interrupt.requested, self._window_fields(), self.skip_run)
                         window, tok_window = [], 0
                     if stop:
@@ -591,6 +644,8 @@ class Trainer:
                         raise TrainingInterrupted(self.step, str(path) if path else None)
                     if self.step % cfg.save_every == 0:
                         self.save()
+                    if self.validation is not None and self.validation.due(self.step):
+                        self._evaluate(metrics)
         except TrainingInterrupted:
             log.warning("stopped at step %d with a checkpoint; continue with --resume", self.step)
             raise
@@ -609,6 +664,8 @@ class Trainer:
             metrics.queue(window, tok_window, False, self._window_fields(), self.skip_run)
         metrics.write()
         self._stop_if_diverged(metrics.last)
+        if self.validation is not None and self.step > fit_from and not self.validation.due(self.step):
+            self._evaluate(metrics)  # the end's, unless the last step's was one
         self.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         if self.shapes is not None:
             record = self.shape_record
@@ -617,8 +674,19 @@ class Trainer:
                      f" (failed to compile: {', '.join(map(str, record.failed))})" if record.failed else "")
         self.save()
         if self.rank == 0:
-            export_drafter(self.model, self.drafter_cfg, self.out / "export")
+            try:
+                export_drafter(self.model, self.drafter_cfg, self.out / "export", target=self.target)
+            except OSError as e:  # a full disk: the checkpoint just saved holds the same weights
+                raise write_error(e, f"writing the export to {self.out / 'export'}",
+                                  "run the same command with --resume to export again") from None
         return metrics.last
+
+    def _evaluate(self, metrics: MetricsLog) -> None:
+        """Evaluate the drafter on the held-out batches (`Validation.run`): its row and line follow the
+        step's training row, and its time is left out of the training rate."""
+        result = self._explaining_compile_failures(self.validation.run, self)
+        metrics.add(result.row(), result.line())
+        metrics.leave_out(result.seconds)
 
     def _last_checkpoint(self) -> str:
         found = list_checkpoints(self.out / "checkpoints")
@@ -653,21 +721,24 @@ class Trainer:
     def _window_fields(self) -> dict[str, Any]:
         """A metrics row's fields the host knows at the log step (MetricsLog adds the device's).
         `anchors_kept`: the share of the anchors this rank's batches offered since the last row
-        that the anchor cap kept; the count starts again. Rank 0 writes the row and says when the
-        cap binds, once."""
+        that the anchor cap kept; the count starts again. Rank 0 writes the row and, the first time
+        the cap binds (a batch offered more anchors than it), says so once: a warning below
+        ANCHORS_KEPT_WARNING of them kept, else news."""
         fields = {"step": self.step, "epoch": self.position.epoch, "lr": self.scheduler.get_last_lr()[0],
                   "tokens_seen": self.tokens_seen, **self.shape_record.window_fields()}
         kept, offered = self._anchors_kept, self._anchors_offered
         self._anchors_kept = self._anchors_offered = 0
         if offered:
             fields["anchors_kept"] = round(kept / offered, 4)
-            if kept < ANCHORS_KEPT_WARNING * offered and self.rank == 0 and not self._warned_anchor_cap:
-                self._warned_anchor_cap = True
+            if kept < offered and self.rank == 0 and not self._said_anchor_cap:
+                self._said_anchor_cap = True
                 cap = (f"--max-anchors {self.max_anchors}" if self.cfg.max_anchors is not None
                        else f"the cap of {self.max_anchors} anchors per batch that fits this device's memory")
-                log.warning("%s kept %.0f%% of the anchors the batches offered (--num-anchors %d per sample): "
-                            "each sample trains on fewer blocks; a smaller --token-budget keeps more of each "
-                            "sample's", cap, 100 * kept / offered, self.cfg.num_anchors)
+                level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered else logging.INFO
+                log.log(level, "%s kept %d%% of the anchors the batches offered (--num-anchors %d per sample; "
+                        "metrics.jsonl's anchors_kept tells each row's share): each sample trains on fewer blocks; "
+                        "a smaller --token-budget keeps more of each sample's", cap, 100 * kept // offered,
+                        self.cfg.num_anchors)
         return fields
 
 
@@ -700,6 +771,13 @@ def truncate_metrics(path: Path, step: int) -> None:
         write_bytes_atomic(path, "".join(f"{line}\n" for line in kept).encode())
 
 
+def _shown(value: Any) -> str:
+    """An option's value as `cli_values` records it: a flag given or not, else its value."""
+    if isinstance(value, bool):
+        return "given" if value else "not given"
+    return "unset" if value is None else str(value)
+
+
 def _first_difference(saved: Any, current: Any, key: str) -> tuple[str, Any, Any]:
     """The innermost field where two JSON values differ, as (dotted name, saved, current)."""
     if isinstance(saved, dict) and isinstance(current, dict):
@@ -709,12 +787,14 @@ def _first_difference(saved: Any, current: Any, key: str) -> tuple[str, Any, Any
     return key, saved, current
 
 
-def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
-    """Refuse to resume a checkpoint whose plan- or model-deciding settings differ, naming the option."""
+def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path, target: str | None = None) -> None:
+    """Refuse to resume a checkpoint whose plan- or model-deciding settings differ, naming the option
+    (and, for a difference the target makes, this run's `target`)."""
     for option in sorted(set(saved) | set(current)):
         if saved.get(option) != current.get(option):
             name, old, new = _first_difference(saved.get(option), current.get(option), option)
-            raise UserError(f"--resume: {path.name} was trained with {name} = {old!r}, this run has {new!r}; "
+            this = f"this run's --target {target}" if target and option.startswith("--target") else "this run"
+            raise UserError(f"--resume: {path.name} was trained with {name} = {old!r}, {this} has {new!r}; "
                             f"resume with the same {option.split()[0]}, or train into another --out")
 
 
@@ -743,17 +823,24 @@ def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
     """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0)
+    use_free_cores(dev, share=int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # a host's CPU ranks split its cores
     interval_from_env(cfg.profile_interval)  # a bad DFLASH_PROFILE_INTERVAL stops the run before it writes
     # One run writes a run directory at a time; taking the lock fails in a second, not after minutes of
     # set-up, when --out cannot be written, and a run refused before it wrote anything takes back the
     # directory it made.
     with CacheLock(Path(cfg.out), what="run directory") if rank == 0 else contextlib.nullcontext():
+        if rank == 0:
+            tidy_run_directory(Path(cfg.out))
         if world > 1:
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
             torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         try:
-            return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
+            # OUT/config.yaml: what `train --config` runs again (a refused run puts back the one before).
+            record = run_config_written(Path(cfg.out), "train", cfg, device=device,
+                                        progress=lambda: list_checkpoints(Path(cfg.out) / "checkpoints")[:1])
+            with record if rank == 0 else contextlib.nullcontext():
+                return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
         finally:
             if world > 1:
                 torch.distributed.destroy_process_group()

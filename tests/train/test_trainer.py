@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -58,20 +59,42 @@ def test_training_lowers_loss_and_learns_slot_one(demo_cache, tmp_path):
     assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
+def _anchor_cap_lines(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "anchors per batch" in r.getMessage() or "anchors the batches" in r.getMessage()]
+
+
 def test_metrics_rows_say_what_share_of_the_anchors_the_cap_kept(demo_cache, tmp_path, caplog):
     """A cap that binds is visible: each row's `anchors_kept`, and one warning naming the cap."""
     cpu = torch.device("cpu")
-    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
+    with caplog.at_level("INFO"):
         Trainer.build(_cfg(demo_cache, tmp_path / "capped", max_steps=4, log_every=2, max_anchors=8), device=cpu).fit()
     kept = [r["anchors_kept"] for r in _rows(tmp_path / "capped")]
     assert len(kept) == 2 and all(0 < k < 0.9 for k in kept), kept
-    warnings = [r.getMessage() for r in caplog.records if "anchors the batches offered" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("--max-anchors 8 kept"), warnings
+    lines = _anchor_cap_lines(caplog)
+    assert [r.levelname for r in lines] == ["WARNING"], [r.getMessage() for r in lines]
+    assert lines[0].getMessage().startswith("--max-anchors 8 kept"), lines[0].getMessage()
+
+
+def test_the_anchor_cap_is_said_once_and_only_when_it_binds(demo_cache, tmp_path, caplog):
+    """The demo cache's first four batches offer 112, 160, 160 and 176 anchors. A cap that no batch
+    reaches (the memory's default, or 176) says nothing, at start or at any step; a cap of 170 binds
+    in the second window only (330 of its 336 anchors kept): one line, there, not a warning."""
+    cpu = torch.device("cpu")
+    for name, cap in (("memory", None), ("at-most", 176)):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            Trainer.build(_cfg(demo_cache, tmp_path / name, max_steps=4, log_every=2, max_anchors=cap),
+                          device=cpu).fit()
+        assert [r["anchors_kept"] for r in _rows(tmp_path / name)] == [1.0, 1.0]
+        assert not _anchor_cap_lines(caplog), [r.getMessage() for r in _anchor_cap_lines(caplog)]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
-        Trainer.build(_cfg(demo_cache, tmp_path / "free", max_steps=2, log_every=2), device=cpu).fit()
-    assert [r["anchors_kept"] for r in _rows(tmp_path / "free")] == [1.0]
-    assert not [r for r in caplog.records if "anchors the batches offered" in r.getMessage()]
+    with caplog.at_level("INFO"):
+        Trainer.build(_cfg(demo_cache, tmp_path / "binds", max_steps=4, log_every=2, max_anchors=170),
+                      device=cpu).fit()
+    assert [r["anchors_kept"] for r in _rows(tmp_path / "binds")] == [1.0, pytest.approx(330 / 336, abs=1e-4)]
+    lines = _anchor_cap_lines(caplog)
+    assert [r.levelname for r in lines] == ["INFO"], [r.getMessage() for r in lines]
+    assert lines[0].getMessage().startswith("--max-anchors 170 kept 98% of"), lines[0].getMessage()
 
 
 def _straight(demo_cache: Path, out: Path, **kw) -> list[tuple]:
@@ -153,6 +176,47 @@ def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypa
     assert [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)] == straight_run
 
 
+def test_the_first_row_after_a_resume_covers_log_every_steps(demo_cache, tmp_path):
+    """Resumed at step 2 with --log-every 3, the next row comes at step 5, over 3 steps (not at step
+    3, over one step)."""
+    cpu = torch.device("cpu")
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2, log_every=3), device=cpu).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=5, log_every=3, resume=True), device=cpu).fit()
+    assert [r["step"] for r in _rows(tmp_path)] == [2, 5]
+
+
+def test_the_first_windows_rate_leaves_out_start_up(demo_cache, tmp_path, monkeypatch):
+    """A run's first step carries its start-up (the first read, compiling): 100 s spent there, in a
+    fresh run and in a resumed one, do not show in the tokens/s of the window it starts."""
+    import functools
+    import time
+
+    from dflash_cache.train import trainer as trainer_module
+    from dflash_cache.train.metrics_log import MetricsLog
+
+    late = {"s": 0.0}
+    monkeypatch.setattr(trainer_module, "MetricsLog",
+                        functools.partial(MetricsLog, clock=lambda: time.perf_counter() + late["s"]))
+    real_step, started = Trainer.train_step, set()
+
+    def slow_first(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        if id(self) not in started:
+            started.add(id(self))
+            late["s"] += 100.0
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", slow_first)
+    cpu = torch.device("cpu")
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=4, log_every=2), device=cpu).fit()
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=8, log_every=2, resume=True), device=cpu).fit()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    for before, row in ((None, rows[0]), (rows[1], rows[2])):
+        tokens = row["tokens_seen"] - (before["tokens_seen"] if before else 0)
+        assert row["tokens_per_s"] > tokens / 50, (row, tokens)  # 100 s counted: under tokens / 100
+
+
 def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
     import logging
 
@@ -186,8 +250,15 @@ def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
     out = tmp_path / "ddp"
     torchrun_cli("train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out), "--block-size", "8",
                  "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024", "--max-steps", "4",
-                 "--log-every", "2", "--device", "cpu", "--no-progress", timeout=300)
-    assert [r["step"] for r in _rows(out)] == [2, 4]
+                 "--log-every", "2", "--device", "cpu", "--no-progress", "--eval-data", str(demo_cache),
+                 "--eval-batches", "3", timeout=300)
+    rows = _rows(out)
+    assert [(r["step"], r.get("split")) for r in rows] == [(2, None), (4, None), (4, "eval")]
+    # the ranks' shares of the held-out batches (2 and 1), all-reduced, are what one process finds
+    one = Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(out), block_size=8, draft_layers=1,
+                                    num_anchors=8, token_budget=1024, progress=False, eval_data=str(demo_cache),
+                                    eval_batches=3), device=torch.device("cpu"))
+    assert one.restore() and one.validation.run(one).loss == pytest.approx(rows[-1]["eval_loss"], rel=1e-9)
     rng = load(out / "checkpoints" / "step_0000004" / "rng.safetensors")
     assert {"anchors.rank0", "anchors.rank1"} <= set(rng)
     assert not torch_equal(rng["anchors.rank0"], rng["anchors.rank1"]), "ranks draw their own anchors"
