@@ -462,7 +462,15 @@ class CacheReader:
         """A segment as it was committed: its packed batch and its stored (encoded) feature arrays."""
         arrays = self.read_segment(name)
         features = {k: arrays[k] for k in self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)}
-        return HostBatch.from_stored(arrays), features
+        batch = HostBatch.from_stored(arrays)
+        record = self._by_name.get(name)
+        if record is not None and not (np.array_equal(batch.lengths, record.lengths)
+                                       and np.array_equal(batch.sample_ids, record.sample_ids)):
+            # A few numbers per batch: a record claiming tokens its arrays do not hold (rows that would
+            # read as the padding of the last chunk) is caught here, not only by `inspect --verify`.
+            raise CacheCorruptError(f"segment {name}: its stored offsets or sample ids disagree with its commit "
+                                    "record; run `dflash-cache inspect CACHE --verify --repair`, then extract again")
+        return batch, features
 
     def decode_features(self, arrays: dict[str, np.ndarray], device: str | torch.device = "cpu") -> torch.Tensor:
         specs = self.codec.arrays(self.manifest.n_layers, self.manifest.hidden_size)

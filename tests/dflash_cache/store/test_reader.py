@@ -278,3 +278,24 @@ def test_a_segment_rewritten_under_the_reader_is_refused(tmp_path):
     record.write_text(text)  # the same content, another file: a new generation of the cache
     with pytest.raises(CacheCorruptError, match=f"segment {name} changed .*while it was being read"):
         r.read_array(name, "input_ids")
+
+
+def test_a_record_whose_lengths_disagree_with_the_stored_offsets_is_refused_when_read(cache_copy):
+    """A record that moves tokens from one sample to the next keeps every size the first look checks;
+    the stored offsets still say what was written, and reading the batch compares them."""
+    import json
+
+    from dflash_cache.errors import CacheCorruptError
+    from dflash_cache.store.segments import COMMITS_DIR
+
+    root = cache_copy("bf16")
+    rec = next(r for r in read_records(root) if len(r.lengths) > 1 and r.lengths[0] > 5)
+    record_path = root / COMMITS_DIR / f"{rec.name}.json"
+    record = json.loads(record_path.read_text())
+    record["lengths"][0] -= 5
+    record["lengths"][1] += 5
+    record_path.write_text(json.dumps(record))
+
+    reader = CacheReader(root)
+    with pytest.raises(CacheCorruptError, match=f"segment {rec.name}: its stored offsets or sample ids disagree"):
+        reader.read_batch(rec.name)
