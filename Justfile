@@ -50,11 +50,11 @@ bench-live *args:
 
 # Retrain the built-in tiny target (an NVIDIA GPU: ~2 minutes; see python -m tools.tiny_pretrain --help).
 pretrain-tiny *args:
-    python3 -m tools.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json {{args}}
+    python3 -m tools.tiny_pretrain --out dflash_cache/target/tiny_target --tokenizer dflash_cache/target/tiny_target/tokenizer.json {{args}}
 
-# Rebuild the shipped demo rows (extract/tiny_target/demo_rows.parquet) after retraining the tiny target.
+# Rebuild the shipped demo rows (dflash_cache/target/tiny_target/demo_rows.parquet) after retraining the tiny target.
 demo-rows:
-    python3 -m dflash_cache.extract.demo
+    python3 -m dflash_cache.data.demo
 
 # GPU benchmark of phase 2's memory model against measured peaks (an NVIDIA GPU; see python3 -m bench.memory --help).
 bench-memory *args:

@@ -24,11 +24,11 @@ import torch
 
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec, describe_target, load_target
 from dflash_cache.logs import setup_logging
 from dflash_cache.store.plan import PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import summarize
+from dflash_cache.target.model import TargetSpec, describe_target, load_target
 from dflash_cache.train.drafter import FrozenTargetHead
 from dflash_cache.train.export import drafter_from_export
 from dflash_cache.train.run_config import TrainConfig

@@ -21,7 +21,7 @@ import torch
 from numcodecs import Blosc
 
 from dflash_cache.store.codecs import ArraySpec, get_codec, to_stored_numpy
-from dflash_cache.store.fp4 import Fp4Config, dequantize_fp4, fp4_arrays, quantize_fp4
+from dflash_cache.store.codecs.fp4 import Fp4Config, dequantize_fp4, fp4_arrays, quantize_fp4
 
 N_LAYERS = 5
 MASK_TOP = 8  # channels per token and layer left out of the "rest" error (the largest |x|)
@@ -59,9 +59,9 @@ def synthetic_features(tokens: int, hidden: int, seed: int = 0) -> torch.Tensor:
 
 def tiny_features(rows: int) -> torch.Tensor:
     """The tiny target's hidden states after its 5 default layers, over the first demo rows."""
-    from dflash_cache.extract.job import open_data
-    from dflash_cache.extract.target import select_layers
-    from dflash_cache.extract.tiny import build_tiny_target
+    from dflash_cache.data.inputs import open_data
+    from dflash_cache.target.model import select_layers
+    from dflash_cache.target.tiny import build_tiny_target
 
     model = build_tiny_target()
     layer_ids = select_layers(model.config.num_hidden_layers, N_LAYERS)

@@ -33,20 +33,20 @@ import pyarrow as pa
 import torch
 
 from bench.common import add_common_args, start_logging_and_device
-from dflash_cache.extract.capture import run_backbone
-from dflash_cache.extract.dataset import from_table
+from dflash_cache.data.dataset import from_table
+from dflash_cache.data.planning import make_plan
 from dflash_cache.extract.pipeline import RankExtractor, layout_batch
-from dflash_cache.extract.planning import make_plan
-from dflash_cache.extract.target import (
+from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.layout import COMMITS_DIR, SEGMENTS_DIR
+from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
+from dflash_cache.target.capture import run_backbone
+from dflash_cache.target.model import (
     HYBRID_KERNELS,
     decoder_of,
     has_linear_attention,
     select_layers,
     warn_if_slow_hybrid,
 )
-from dflash_cache.profiler import StageProfiler
-from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
 
 # Share of rows per bucket of DEFAULT_BUCKETS (last bucket capped at 8192 tokens).
 BUCKET_MIX = (0.30, 0.20, 0.18, 0.14, 0.10, 0.08)

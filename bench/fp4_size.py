@@ -44,9 +44,8 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.storage import LocalStore
 
 from bench.codec_study_fp4 import N_LAYERS, add_feature_args, errors, feature_sets
-from dflash_cache.extract.target import select_layers
 from dflash_cache.store.codecs import to_stored_numpy
-from dflash_cache.store.fp4 import (
+from dflash_cache.store.codecs.fp4 import (
     FP4_LAYOUT,
     Fp4Config,
     dequantize_fp4,
@@ -58,6 +57,7 @@ from dflash_cache.store.fp4 import (
     xor_layer_signs,
 )
 from dflash_cache.store.segments import chunk_rows, write_array
+from dflash_cache.target.model import select_layers
 
 QWEN3_SEQ = 512
 PLAIN_LAYOUT = dataclasses.replace(FP4_LAYOUT, sign_xor=False, per_layer=False)  # what every re-encoding starts from

@@ -34,16 +34,16 @@ from bench.common import (
 )
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows
 from bench.train import LAYER_IDS, shapes, sync, timed_steps
-from dflash_cache.extract.capture import HiddenStateCapture
-from dflash_cache.extract.dataset import from_table
+from dflash_cache.data.dataset import from_table
+from dflash_cache.data.planning import make_plan
 from dflash_cache.extract.pipeline import RankExtractor
-from dflash_cache.extract.planning import make_plan
-from dflash_cache.extract.target import decoder_of
 from dflash_cache.profiler import StageProfiler
+from dflash_cache.store.layout import COMMITS_DIR, SEGMENTS_DIR
 from dflash_cache.store.manifest import PlanParams
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
+from dflash_cache.target.capture import HiddenStateCapture
+from dflash_cache.target.model import decoder_of
 from dflash_cache.train.assemble import source_config
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.drafter import FrozenTargetHead

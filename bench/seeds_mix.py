@@ -4,7 +4,7 @@ The live pipeline this project grew out of trained on ~1.1M regenerated chat sam
 plan (buckets 0 / 770 / 1,216 / 1,728 / 2,432 / 3,296 / 8,193 tokens, the default `extract` plan)
 put 3.8%, 7.4%, 10.5%, 15.0%, 16.6% and 46.6% of its batches in those buckets: half of the batches
 hold rows of 3,296-8,192 tokens. `seeds_mix_lengths` draws row lengths uniformly inside each bucket,
-as many per bucket as make the real planner (`dflash_cache.extract.planning.make_plan`) reproduce
+as many per bucket as make the real planner (`dflash_cache.data.planning.make_plan`) reproduce
 those shares, within about half a point; each row then has a prompt of 10-30% of its tokens.
 Benchmarks measure speed on this mix, the data a user's run sees, rather than on equal lengths.
 `python3 -m bench.seeds_mix` prints the plan's shares for 400 extraction batches of the mix.
@@ -17,7 +17,7 @@ import argparse
 import numpy as np
 import pyarrow as pa
 
-from dflash_cache.extract.planning import make_plan
+from dflash_cache.data.planning import make_plan
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 
 BUCKET_BOUNDS = (*DEFAULT_BUCKETS, 8193)

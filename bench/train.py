@@ -50,10 +50,10 @@ from bench.seeds_mix import prompt_lengths, seeds_mix_lengths
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.layout import COMMITS_DIR, SEGMENTS_DIR
 from dflash_cache.store.manifest import PlanParams
 from dflash_cache.store.plan import PlannedBatch
 from dflash_cache.store.reader import CacheReader
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR
 from dflash_cache.store.writer import commit_segment
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.assemble import source_config
@@ -112,7 +112,7 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
     `extract` would write them, 10-30% prompt). Segments are compressed and written by 16 threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_cache.extract.planning import make_plan
+    from dflash_cache.data.planning import make_plan
     from dflash_cache.store.plan import PlanConfig
 
     shutil.rmtree(root, ignore_errors=True)

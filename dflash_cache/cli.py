@@ -82,8 +82,8 @@ def extract(cfg: ExtractConfig, gpus: str) -> None:
 @click.option("--device", default="auto", show_default=True, help="Target device: 'auto', 'cpu' or 'cuda[:i]'.")
 def regenerate(cfg: RegenerateConfig, device: str) -> None:
     """Replace a chat dataset's assistant turns with the target's own greedy replies (JSONL out)."""
+    from dflash_cache.devices import resolve_device
     from dflash_cache.extract.regenerate import regenerate as run_regenerate
-    from dflash_cache.train.trainer import resolve_device
 
     dev = resolve_device(device)
     use_free_cores(dev)
@@ -91,29 +91,25 @@ def regenerate(cfg: RegenerateConfig, device: str) -> None:
 
 
 @cli.command(cls=ConfigCommand, config="dflash_cache.train.run_config:TrainConfig")
-@click.option("--device", default="auto", show_default=True, help="Drafter device: 'auto', 'cpu' or 'cuda[:i]'.")
-def train(cfg: TrainConfig, device: str) -> None:
+@click.option("--device", default="auto", show_default=True,
+              help="Drafter device of a single process: 'auto', 'cpu' or 'cuda[:i]'.")
+@click.option("--gpus", default=None,
+              help="One DDP rank per device instead: 'all', 'cpu', or GPU indices like 0,2,3 (as extract's --gpus).")
+def train(cfg: TrainConfig, device: str, gpus: str | None) -> None:
     """Phase 2: train a DFlash drafter from a cache (or --live from the target); exports to OUT/export."""
     from dflash_cache.train.interrupt import TrainingInterrupted
     from dflash_cache.train.memory import prefer_expandable_segments
-    from dflash_cache.train.trainer import train as run_train
+    from dflash_cache.train.ranks import run_training
 
     prefer_expandable_segments()
     try:
-        last = run_train(cfg, device)
+        run_training(cfg, device, gpus, echo=click.echo)
     except TrainingInterrupted as e:
         click.echo(f"Interrupted: checkpoint saved at step {e.step}; continue with --resume.", err=True)
         sys.exit(130)
     except KeyboardInterrupt:
         click.echo("Stopped without saving the last steps; --resume continues from the last checkpoint.", err=True)
         sys.exit(130)
-    export = Path(cfg.out) / "export"
-    if last:
-        shown = f"loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}" if last["loss"] is not None else \
-            "every step of the last window skipped (gradients not finite)"
-        click.echo(f"done: step {last['step']}, {shown}; exported to {export}")
-    else:
-        click.echo(f"nothing to train: {cfg.out} is already at its last step; exported to {export}")
 
 
 @cli.command(name="eval")
@@ -132,8 +128,9 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
     """Speculative decoding with an exported drafter: tau, its histogram, speed, and a lossless check."""
     import dataclasses
 
-    from dflash_cache.extract.chat import ChatSpec
-    from dflash_cache.extract.target import (
+    from dflash_cache.data.chat import ChatSpec
+    from dflash_cache.devices import resolve_device
+    from dflash_cache.target.model import (
         TargetDescription,
         TargetSpec,
         identify_target,
@@ -143,7 +140,6 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
     from dflash_cache.train.drafter import FrozenTargetHead
     from dflash_cache.train.export import check_target, read_export
     from dflash_cache.train.speculative import evaluate, load_prompts
-    from dflash_cache.train.trainer import resolve_device
 
     path = Path(drafter)
     path = path / "export" if (path / "export" / "config.json").is_file() else path

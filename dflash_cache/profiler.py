@@ -69,6 +69,8 @@ class StageProfiler:
     prefix: str = ""
     clock: Callable[[], float] = time.perf_counter
     peak_flops: float | None = None  # the device's peak FLOP/s: reports then give model FLOPs utilisation
+    # Called with each report's figures by name (tok_s, tflop_s, mfu, <stage>_avg_ms, <stage>_max_ms): trackers.
+    listeners: list[Callable[[dict[str, float]], None]] = field(default_factory=list)
     _stats: dict[str, _Stat] = field(default_factory=lambda: defaultdict(_Stat))
     _pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -156,15 +158,19 @@ class StageProfiler:
             self._resolve()
             self._last = now
             rate = self._tokens / elapsed if elapsed > 0 else 0.0
+            values = {"tok_s": rate}
             head = f"{self.prefix}profile over {elapsed:.1f}s: {rate:,.0f} tok/s"
             if self._flops and elapsed > 0:
                 achieved = self._flops / elapsed
+                values["tflop_s"] = achieved / 1e12
                 head += f", {achieved / 1e12:,.0f} TFLOP/s"
                 if self.peak_flops:
+                    values["mfu"] = achieved / self.peak_flops
                     head += f" (MFU {achieved / self.peak_flops:.1%} of {self.peak_flops / 1e12:,.0f})"
             lines = [head]
             for name in sorted(self._stats):
                 s = self._stats[name]
+                values |= {f"{name}_avg_ms": 1e3 * s.total / s.count, f"{name}_max_ms": 1e3 * s.peak}
                 lines.append(
                     f"  {name:<28} avg {1e3 * s.total / s.count:9.2f} ms  max {1e3 * s.peak:9.2f} ms  n={s.count}"
                 )
@@ -172,4 +178,6 @@ class StageProfiler:
             self._tokens, self._flops = 0, 0.0
         report = "\n".join(lines)
         log.info("%s", report)
+        for listener in self.listeners:
+            listener(values)
         return report

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dflash_cache.data.dataset import OVERLONG_POLICIES
 from dflash_cache.errors import UserError
-from dflash_cache.extract.dataset import OVERLONG_POLICIES
-from dflash_cache.extract.target import TargetSpec
 from dflash_cache.options import check_options, option
 from dflash_cache.profiler import INTERVAL_HELP
 from dflash_cache.store.codecs import CODECS
-from dflash_cache.store.lock import LOCK_FILE
+from dflash_cache.store.layout import LOCK_FILE, segment_name
 from dflash_cache.store.plan import Plan, PlanConfig, deal
-from dflash_cache.store.segments import segment_name
+from dflash_cache.target.model import TargetSpec
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,15 @@ import torch
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.job import Job, plan_job
 from dflash_cache.extract.pipeline import RankExtractor
-from dflash_cache.extract.target import load_target
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store import writer
 from dflash_cache.store.codecs import TOKEN_ARRAYS, get_codec
 from dflash_cache.store.destination import open_destination
+from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.store.location import is_url
-from dflash_cache.store.manifest import MANIFEST_FILE
 from dflash_cache.store.plan import Plan, PlannedBatch
 from dflash_cache.store.segments import SegmentRecord, read_records
+from dflash_cache.target.model import load_target
 
 log = logging.getLogger(__name__)
 SAMPLE_TOKENS = 1 << 17  # the sample's bound (its first batch is always taken); a few seconds of an 8B target

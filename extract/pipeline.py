@@ -28,8 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash_cache.extract.capture import HiddenStateCapture
-from dflash_cache.extract.dataset import Row, TokenizedDataset
+from dflash_cache.data.dataset import Row, TokenizedDataset
 from dflash_cache.producer import Producer
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch
@@ -37,35 +36,9 @@ from dflash_cache.store.codecs import ArraySpec, get_codec
 from dflash_cache.store.plan import PlannedBatch
 from dflash_cache.store.segments import SegmentRecord
 from dflash_cache.store.writer import commit_segment, disk_error
+from dflash_cache.target.capture import ForwardInputs, HiddenStateCapture
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ForwardInputs:
-    """Rows laid out for the target's forward: right-padded ids, their attention mask, and the flat
-    indices b * L + t of the real tokens (which the capture packs by). Host tensors, pinned on CUDA."""
-
-    input_ids: torch.Tensor  # int64 [B, L], right-padded with 0
-    attention: torch.Tensor  # int64 [B, L]
-    gather: torch.Tensor     # int64 [T]
-
-    @classmethod
-    def of_rows(cls, input_ids: list[np.ndarray], pin: bool) -> ForwardInputs:
-        lengths = [len(ids) for ids in input_ids]
-        ids = np.zeros((len(input_ids), max(lengths)), dtype=np.int64)
-        attention = np.zeros_like(ids)
-        for i, (row, n) in enumerate(zip(input_ids, lengths, strict=True)):
-            ids[i, :n] = row
-            attention[i, :n] = 1
-        tensors = [torch.from_numpy(a) for a in (ids, attention, np.flatnonzero(attention.reshape(-1)))]
-        if pin:
-            tensors = [t.pin_memory() for t in tensors]
-        return cls(*tensors)
-
-    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention, gather) copied to `device` without waiting: the capture's arguments."""
-        return tuple(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention, self.gather))
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dflash_cache.errors import UserError
-from dflash_cache.extract.chat import (
+from dflash_cache.data.chat import (
     MESSAGES,
     TEMPLATE_ERRORS,
     ChatEncoder,
@@ -50,10 +49,9 @@ from dflash_cache.extract.chat import (
     Dropped,
     clean_messages,
 )
-from dflash_cache.extract.dataset import hash_source_files
-from dflash_cache.extract.dataset_formats import open_source
-from dflash_cache.extract.generation import cut_at_stop, greedy_complete
-from dflash_cache.extract.target import DTYPES, TargetSpec, describe_target, load_target
+from dflash_cache.data.dataset import hash_source_files
+from dflash_cache.data.formats import open_source
+from dflash_cache.errors import UserError
 from dflash_cache.files import (
     fsync_path,
     read_json,
@@ -62,6 +60,8 @@ from dflash_cache.files import (
     write_json_atomic,
 )
 from dflash_cache.options import check_options, option
+from dflash_cache.target.generation import cut_at_stop, greedy_complete
+from dflash_cache.target.model import DTYPES, TargetSpec, describe_target, load_target
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ every rank, whatever the size of the data), and rank 0 rewrites the index from t
 Several runs may share one cache (`--copy K/C`, one per copy of a target split over GPUs): each
 takes its copy's share of the plan first (`Job.todo`).
 One device runs it in this process as the only rank. Several (`--gpus all`, `--gpus 0,2,3`) are
-started as one rank each by torch's elastic launcher (`dflash_cache.extract.launch`), which gives
+started as one rank each by torch's elastic launcher (`dflash_cache.launch`), which gives
 them exactly the environment torchrun gives its ranks, so both run the same code. --out may be a
 URL (s3://bucket/prefix): the lock is then an object there, and each rank uploads its own segments.
 """
@@ -16,65 +16,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from dflash_cache.cpu_threads import use_free_cores
+from dflash_cache.data.inputs import open_data
+from dflash_cache.devices import gpu_devices, torchrun_device, torchrun_env
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.dry_run import dry_run
-from dflash_cache.extract.job import Job, chat_spec, open_data, open_or_create, plan_job
-from dflash_cache.extract.launch import launch
+from dflash_cache.extract.job import Job, chat_spec, open_or_create, plan_job
 from dflash_cache.extract.pipeline import RankExtractor
-from dflash_cache.extract.target import TargetDescription, describe_target, load_target
+from dflash_cache.launch import launch
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.location import open_location
 from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.remote_lock import lock_for
 from dflash_cache.store.writer import finish_cache
+from dflash_cache.target.model import TargetDescription, describe_target, load_target
 
 log = logging.getLogger(__name__)
 RESUME_HINT = "the committed segments are kept: run the same command again to resume"
-
-
-def parse_gpus(spec: str, flag: str = "--gpus") -> list[int] | None:
-    """'cpu' -> None; 'all' -> every visible GPU (None if there is none); '0,2,3' -> [0, 2, 3]."""
-    spec = spec.strip().lower()
-    if spec == "cpu":
-        return None
-    if spec == "all":
-        n = torch.cuda.device_count()
-        if n == 0:
-            # A warning where torch cannot use the machine's GPU (a CPU build of torch, a driver problem);
-            # on a machine without one, news.
-            log.log(logging.WARNING if _machine_has_gpu() else logging.INFO,
-                    "%s all: no CUDA device visible, running on the CPU", flag)
-            return None
-        return list(range(n))
-    try:
-        ids = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} {spec!r}: expected 'all', 'cpu' or comma-separated GPU indices like 0,2,3") from None
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise UserError(f"{flag} {spec!r}: no CUDA device is visible; use {flag} cpu")
-    bad = [i for i in ids if not 0 <= i < n]
-    if not ids or bad:
-        raise UserError(f"{flag} {spec!r}: {n} CUDA device(s) visible, so valid indices are 0..{n - 1}")
-    return ids
-
-
-def torchrun_env() -> tuple[int, int] | None:
-    """(rank, world size) when torchrun, or our own launcher, started this process as one of several."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
 
 
 def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] = log.info) -> None:
@@ -85,30 +51,14 @@ def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] =
     ranks = torchrun_env()
     if cfg.dry_run:
         if ranks is None or ranks[0] == 0:  # under torchrun, rank 0 answers for the world's devices
-            devices = gpu_devices(gpus) if ranks is None else [_torchrun_device()] * ranks[1]
+            devices = gpu_devices(gpus) if ranks is None else [torchrun_device()] * ranks[1]
             use_free_cores(devices[0])  # the sample's rate is measured on it
             dry_run(cfg, devices, echo)
         return
     if ranks is not None and ranks[1] > 1:
-        extract_rank(cfg, device=_torchrun_device(), echo=echo)
+        extract_rank(cfg, device=torchrun_device(), echo=echo)
         return
     extract_on(cfg, gpu_devices(gpus), echo)
-
-
-def _machine_has_gpu() -> bool:
-    """Whether the system shows an NVIDIA or AMD GPU's device files, whatever torch can see."""
-    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
-
-
-def gpu_devices(spec: str) -> list[torch.device]:
-    """`--gpus` as devices: the CPU for 'cpu' (or 'all' without a GPU), else one CUDA device per index."""
-    ids = parse_gpus(spec)
-    return [torch.device("cpu")] if ids is None else [torch.device("cuda", i) for i in ids]
-
-
-def _torchrun_device() -> torch.device:
-    """torchrun's convention: local rank n uses GPU n (of those CUDA_VISIBLE_DEVICES shows)."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[str], None] = log.info) -> None:

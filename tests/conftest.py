@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.extract.target import TargetSpec
 from dflash_cache.store.plan import PlanConfig
+from dflash_cache.target.model import TargetSpec
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     milliseconds, too short to gain from a second thread, while OpenMP threads spin waiting for work:
     with anything else busy on a 2-core machine (the pipeline's own reader and writer threads, another
     process or test worker) they run ten to twenty times slower than on one thread, which is as fast
-    when alone. Extraction ranks choose their own count (extract/launch.py)."""
+    when alone. Extraction ranks choose their own count (dflash_cache/launch.py)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from dflash_cache.data.demo import DEMO
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.extract.demo import DEMO
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec, weights_fingerprint
-from dflash_cache.extract.tiny import TINY
 from dflash_cache.logs import setup_logging
 from dflash_cache.store.plan import PlanConfig
+from dflash_cache.target.model import TargetSpec, weights_fingerprint
+from dflash_cache.target.tiny import TINY
 from dflash_cache.train.export import MODEL_CODE_NAME
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer
@@ -102,7 +102,7 @@ def make_demo_drafter(dest: Path, *, cache: Path | None = None, **overrides: Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Rebuild tests/assets/demo_drafter/ from the tiny target now in extract/tiny_target/."""
+    """Rebuild tests/assets/demo_drafter/ from the tiny target now in dflash_cache/target/tiny_target/."""
     ap = argparse.ArgumentParser(description=f"Rebuild {ASSET_DIR} (a minute or two of CPU).")
     ap.add_argument("--out", type=Path, default=ASSET_DIR, help="the asset directory to (re)write")
     args = ap.parse_args(argv)

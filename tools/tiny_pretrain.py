@@ -4,9 +4,9 @@ A drafter can only be judged against a target that predicts something: a random-
 makes chaotic text no drafter can learn, and hand-tuned random weights make text no real model
 would. The standard library's `.py` files ship with every Python, so a small real language model
 can be trained on them anywhere, with no download, and the result (weights, tokenizer, held-out
-demo prompts) is committed next to this file as `extract/tiny_target/`.
+demo prompts) is committed as `dflash_cache/target/tiny_target/`.
 
-    python -m tools.tiny_pretrain --out extract/tiny_target --tokenizer extract/tiny_target/tokenizer.json
+    python -m tools.tiny_pretrain --out dflash_cache/target/tiny_target --tokenizer dflash_cache/target/tiny_target/tokenizer.json
 
 Steps: collect the corpus and split it into train / held-out by a hash of each file's path
 (stable across Python versions: a file keeps its side as long as it keeps its path); train a
@@ -39,8 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_cache.extract.demo import REBUILD as REBUILD_DEMO
-from dflash_cache.extract.tiny import (
+from dflash_cache.data.demo import REBUILD as REBUILD_DEMO
+from dflash_cache.devices import resolve_device
+from dflash_cache.files import write_bytes_atomic, write_json_atomic
+from dflash_cache.logs import setup_logging
+from dflash_cache.target.tiny import (
     TINY_CONFIG_FILE,
     TINY_DIR,
     TINY_EOT,
@@ -52,8 +55,6 @@ from dflash_cache.extract.tiny import (
     load_tiny_tokenizer,
     tiny_config,
 )
-from dflash_cache.files import write_bytes_atomic, write_json_atomic
-from dflash_cache.logs import setup_logging
 from dflash_cache.train.optim import adamw, clipped_step, warmup_cosine
 
 log = logging.getLogger(__name__)
@@ -202,12 +203,6 @@ def encode_corpus(tok, files: list[SourceFile]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ model
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_model(seed: int) -> nn.Module:

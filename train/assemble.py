@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_cache.data.chat import ChatSpec
+from dflash_cache.data.dataset import TokenizedDataset
+from dflash_cache.data.inputs import check_context, open_data
+from dflash_cache.devices import parse_gpus
 from dflash_cache.errors import UserError
-from dflash_cache.extract.capture import HiddenStateCapture
-from dflash_cache.extract.chat import ChatSpec
-from dflash_cache.extract.dataset import TokenizedDataset
-from dflash_cache.extract.job import check_context, open_data
-from dflash_cache.extract.run import parse_gpus
-from dflash_cache.extract.target import TargetDescription, TargetSpec, describe_target, load_target
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
+from dflash_cache.target.capture import HiddenStateCapture
+from dflash_cache.target.model import TargetDescription, TargetSpec, describe_target, load_target
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import FrozenTargetHead

@@ -2,9 +2,9 @@
 
 The fallback when there is no cache. It plans exactly the batches a cache of the same dataset
 would give (`dflash_cache.train.epoch_plan` over the same canonical sample table), and computes
-each batch's features with the extraction code itself: rows are laid out by
-`dflash_cache.extract.pipeline.ForwardInputs` and run through
-`dflash_cache.extract.capture.HiddenStateCapture`, which packs every captured layer on the
+each batch's features with the code extraction runs: rows are laid out by
+`dflash_cache.target.capture.ForwardInputs` and run through
+`dflash_cache.target.capture.HiddenStateCapture`, which packs every captured layer on the
 forward's own stream. The tokens are packed into a `HostBatch` as extraction packs them, and the
 batch is made from it as the cache source makes its own (`PackedBatch.from_host`).
 
@@ -29,15 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_cache.data.dataset import DatasetScan, TokenizedDataset
+from dflash_cache.data.planning import buckets_of, plan_unit
 from dflash_cache.errors import UserError
-from dflash_cache.extract.capture import HiddenStateCapture
-from dflash_cache.extract.dataset import DatasetScan, TokenizedDataset
-from dflash_cache.extract.pipeline import ForwardInputs
-from dflash_cache.extract.planning import buckets_of, plan_unit
 from dflash_cache.producer import Producer
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch, PackedBatch
 from dflash_cache.store.plan import PlanConfig
+from dflash_cache.target.capture import ForwardInputs, HiddenStateCapture
 from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
 
 log = logging.getLogger(__name__)

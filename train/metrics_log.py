@@ -57,6 +57,7 @@ class MetricsLog:
     _host: torch.Tensor | None = None  # pinned, reused: a fresh pinned buffer may wait for the device
     _left_out: float = 0.0  # `leave_out`'s seconds in the window being timed
     _other_rows: list[tuple[dict[str, Any], str | None]] = field(default_factory=list)  # `add`'s, not yet written
+    sinks: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)  # each row rank 0 writes (trackers)
 
     def __post_init__(self) -> None:
         if self.device.type == "cuda":
@@ -137,6 +138,8 @@ class MetricsLog:
         if self.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
+            for sink in self.sinks:
+                sink(row)
             if finite:
                 log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", row["step"], loss,
                          row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
@@ -153,6 +156,9 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write("".join(json.dumps(row, allow_nan=False) + "\n" for row, _ in rows))
+        for row, _ in rows:
+            for sink in self.sinks:
+                sink(row)
         for _, line in rows:
             if line is not None:
                 log.info("%s", line)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_cache.data.dataset import OVERLONG_POLICIES
 from dflash_cache.errors import UserError
-from dflash_cache.extract.dataset import OVERLONG_POLICIES
-from dflash_cache.extract.target import DTYPES
 from dflash_cache.options import check_options, option
 from dflash_cache.profiler import INTERVAL_HELP
 from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.plan import DEFAULT_MAX_ROWS, DEFAULT_TOKEN_BUDGET
+from dflash_cache.target.model import DTYPES
 from dflash_cache.train.attention_kernels import ATTENTION_KERNELS
+from dflash_cache.train.trackers import parse_report_to
 
 # torch takes 64-bit seeds, and the trainer derives its anchors' from --seed * 1000003 * 1009 (plus
 # step and rank); 32 bits keep that inside them (and are numpy's legacy range, which users know).
@@ -110,6 +111,9 @@ class TrainConfig:
     eval_every: int | None = option(None, min=1, help="Evaluate on --eval-data every N steps (default: "
                                                       "--save-every) and at the end.")
     eval_batches: int = option(16, min=1, help="Held-out batches per evaluation (the same ones each time).")
+    report_to: str | None = option(None, help="Also report the metrics (and the profiler's reports) to trackers: "
+                                              "tensorboard, wandb, or both comma-separated (optional extras of the "
+                                              "same names; W&B reads its WANDB_* environment).")
     # The DFlash recipe's constants, and what defaults from the target (the mask token: an unused row).
     warmup_ratio: float = option(0.04, min=0, max=1, cli=False)
     weight_decay: float = option(0.0, min=0, cli=False)
@@ -121,5 +125,6 @@ class TrainConfig:
         check_options(self)
         if (self.cache is None) == (self.live is None):
             raise UserError("give either --cache DIR or --live with --data")
+        parse_report_to(self.report_to)  # a tracker named wrong stops the run before anything loads
         if self.eval_every is not None and self.eval_data is None:
             raise UserError("--eval-every applies to an evaluation; add --eval-data with held-out data, or drop it")

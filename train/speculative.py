@@ -38,7 +38,7 @@ from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead
 from dflash_cache.train.masks import build_masks
 
 if TYPE_CHECKING:
-    from dflash_cache.extract.chat import ChatSpec
+    from dflash_cache.data.chat import ChatSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def new_cache(model: nn.Module):
     them (conv and recurrent states)."""
     from transformers import DynamicCache
 
-    from dflash_cache.extract.target import has_linear_attention, text_config
+    from dflash_cache.target.model import has_linear_attention, text_config
 
     hybrid = has_linear_attention(text_config(model.config))
     return DynamicCache(config=model.config) if hybrid else DynamicCache()
@@ -263,7 +263,7 @@ def load_prompts(data: str, limit: int, chat: ChatSpec | None = None,
     data, `chat` says whose template renders it: the conversation up to the first assistant turn).
     Given the target's `vocab_size`, a row holding a token id outside it is a UserError naming the
     row and the id (the target's embedding would fail on it with a traceback)."""
-    from dflash_cache.extract.job import open_data
+    from dflash_cache.data.inputs import open_data
 
     dataset = open_data(data, limit, chat=chat)
     if vocab_size is not None:

@@ -20,17 +20,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_cache.data.dataset import TokenizedDataset
+from dflash_cache.data.inputs import build_manifest
 from dflash_cache.errors import UserError
-from dflash_cache.extract.dataset import TokenizedDataset
-from dflash_cache.extract.job import build_manifest
-from dflash_cache.extract.target import TargetDescription
 from dflash_cache.store.batch import HostBatch, PackedBatch
 from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.layout import segment_name
 from dflash_cache.store.location import is_url
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
-from dflash_cache.store.segments import read_records, segment_name
+from dflash_cache.store.segments import read_records
 from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create
+from dflash_cache.target.model import TargetDescription
 from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from dflash_cache.config_files import run_config_written
 from dflash_cache.cpu_threads import use_free_cores
+from dflash_cache.devices import resolve_device
 from dflash_cache.errors import UserError, compile_failure, write_error
 from dflash_cache.files import write_bytes_atomic
 from dflash_cache.options import cli_values
@@ -71,6 +72,7 @@ from dflash_cache.train.static_shapes import (
     planned_batches,
     warm_up_batch,
 )
+from dflash_cache.train.trackers import Trackers, parse_report_to
 from dflash_cache.train.validation import Validation, check_eval_data
 
 log = logging.getLogger(__name__)
@@ -575,6 +577,16 @@ class Trainer:
         `TrainingInterrupted`; `--resume` then continues bit for bit (with flash attention kernels, up
         to their atomic adds' rounding: dflash_cache.train.attention_kernels).
         """
+        names = parse_report_to(self.cfg.report_to) if self.rank == 0 else ()
+        self.trackers = Trackers(names, self.out, json.loads(json.dumps(cli_values(self.cfg))))
+        if names:
+            self.profiler.listeners.append(self.trackers.report)
+        try:
+            return self._fit()
+        finally:
+            self.trackers.close()
+
+    def _fit(self) -> dict[str, float]:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         if cfg.resume and not self.restore():
@@ -588,7 +600,8 @@ class Trainer:
                 log.info("evaluation: %s", self.validation.describe())
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.rank == 0))
-        metrics = MetricsLog(metrics_path, self.device, slots=cfg.block_size - 1, rank=self.rank, world=self.world)
+        metrics = MetricsLog(metrics_path, self.device, slots=cfg.block_size - 1, rank=self.rank, world=self.world,
+                             sinks=[self.trackers.row])
         self._metrics = metrics
         window: list[dict[str, torch.Tensor]] = []
         warm_up = self._explaining_compile_failures(self.warm_up) if self.shapes is not None else None
@@ -798,29 +811,9 @@ def check_same_run(saved: dict[str, Any], current: dict[str, Any], path: Path, t
                             f"resume with the same {option.split()[0]}, or train into another --out")
 
 
-def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    """--device: 'auto' (the GPU if there is one), 'cpu', 'cuda' or 'cuda:i'; a wrong one is a UserError."""
-    if spec == "auto":
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise UserError(f"--device {spec!r}: only cpu and cuda devices are supported")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise UserError(f"--device {spec}: no CUDA device is visible; use --device cpu")
-    index = local_rank if dev.index is None else dev.index
-    if index >= count:
-        raise UserError(f"--device {spec}: {count} CUDA device(s) visible, so valid indices are 0..{count - 1}")
-    return torch.device("cuda", index)
-
-
-def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
-    """Single process, or one rank under torchrun (NCCL on GPUs, gloo on CPUs)."""
+def train(cfg: TrainConfig, device: str = "auto", gpus: str | None = None) -> dict[str, float]:
+    """Single process, or one rank under torchrun or `train --gpus` (NCCL on GPUs, gloo on CPUs);
+    `gpus`, the --gpus that started it, is what OUT/config.yaml records in place of --device."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)) if world > 1 else 0)
     use_free_cores(dev, share=int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # a host's CPU ranks split its cores
@@ -837,7 +830,8 @@ def train(cfg: TrainConfig, device: str = "auto") -> dict[str, float]:
             torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         try:
             # OUT/config.yaml: what `train --config` runs again (a refused run puts back the one before).
-            record = run_config_written(Path(cfg.out), "train", cfg, device=device,
+            where = {"device": device} if gpus is None else {"gpus": gpus}
+            record = run_config_written(Path(cfg.out), "train", cfg, **where,
                                         progress=lambda: list_checkpoints(Path(cfg.out) / "checkpoints")[:1])
             with record if rank == 0 else contextlib.nullcontext():
                 return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()

@@ -29,8 +29,9 @@ import torch
 from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import PackedBatch
+from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.store.location import is_url
-from dflash_cache.store.manifest import MANIFEST_FILE, TargetIdentity
+from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.epoch_plan import Position

@@ -25,12 +25,10 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pyarrow as pa
-from zarr.core.common import ZARR_JSON
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import (
-    TMP_SUFFIX,
     fsync_path,
     json_bytes,
     list_files,
@@ -38,27 +36,31 @@ from dflash_cache.files import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from dflash_cache.store.layout import (
+    COMMITS_DIR,
+    CREATING_FILE,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    PLAN_FILE,
+    SEGMENTS_DIR,
+    ZARR_JSON,
+    is_cache_entry,
+    is_lock_file,
+    is_segment_name,
+    record_path,
+    record_rel,
+    segment_rel,
+)
 from dflash_cache.store.location import LocalCache, RemoteCache, is_url
-from dflash_cache.store.lock import LOCK_FILE
-from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE
-from dflash_cache.store.reader import INDEX_FILE
-from dflash_cache.store.repair import CREATING_FILE, is_half_made, remove_uncommitted_segments
-from dflash_cache.store.segments import COMMITS_DIR, NAME_RE, SEGMENTS_DIR, SegmentRecord
+from dflash_cache.store.repair import is_half_made, remove_uncommitted_segments
+from dflash_cache.store.segments import SegmentRecord
 
 log = logging.getLogger(__name__)
-_CACHE_ENTRIES = (MANIFEST_FILE, PLAN_FILE, INDEX_FILE, SEGMENTS_DIR, COMMITS_DIR, ZARR_JSON, CREATING_FILE)
-_CACHE_STEMS = {name.split(".")[0] for name in _CACHE_ENTRIES if not name.startswith(".")}
 # An overwritten remote cache is deleted records first and manifest last: a run killed meanwhile
 # leaves a cache that is reopened or overwritten again, never records whose data is gone.
 _REMOVAL_ORDER = (COMMITS_DIR, SEGMENTS_DIR, INDEX_FILE, PLAN_FILE, ZARR_JSON, MANIFEST_FILE)
 
 WriteFiles = Callable[[Path], dict[str, int]]  # writes into a directory, returns its files (path -> size)
-
-
-def _ours(name: str) -> bool:
-    """Entries a cache's creation writes (or its temporary files); lock files are not among them."""
-    return name in _CACHE_ENTRIES or (name.endswith(TMP_SUFFIX) and name.split(".")[0] in _CACHE_STEMS)
 
 
 def disk_error(root: Path | str, exc: OSError, *, creating: bool = False) -> UserError:
@@ -88,7 +90,7 @@ class LocalDestination(LocalCache):
 
     def foreign_entries(self) -> bool:
         """Whether the directory holds anything besides lock files (a new or empty one holds nothing)."""
-        return self.root.exists() and any(not p.name.startswith(LOCK_FILE) for p in self.root.iterdir())
+        return self.root.exists() and any(not is_lock_file(p.name) for p in self.root.iterdir())
 
     @contextmanager
     def creating(self) -> Iterator[Path]:
@@ -113,7 +115,7 @@ class LocalDestination(LocalCache):
     def _remove_entries(self) -> None:
         """Delete what a (half-made or overwritten) cache holds, leaving foreign files and locks alone."""
         for path in self.root.iterdir():
-            if _ours(path.name) and path.name != CREATING_FILE:
+            if is_cache_entry(path.name) and path.name != CREATING_FILE:
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
 
     def _undo_create(self) -> None:
@@ -137,7 +139,7 @@ class LocalDestination(LocalCache):
     def put_segment(self, name: str, write: WriteFiles) -> dict[str, int]:
         """Write a segment's files in place, fsynced: durable before a commit can point at them.
         Garbage from a crashed attempt at the same segment is replaced."""
-        seg_dir = self.root / SEGMENTS_DIR / name
+        seg_dir = self.root / segment_rel(name)
         if seg_dir.exists():
             shutil.rmtree(seg_dir)
         files = write(seg_dir)
@@ -146,7 +148,7 @@ class LocalDestination(LocalCache):
         return files
 
     def put_record(self, record: SegmentRecord) -> None:
-        write_json_atomic(self.root / COMMITS_DIR / f"{record.name}.json", record.to_json())
+        write_json_atomic(record_path(self.root, record.name), record.to_json())
 
     def put_parquet(self, rel: str, table: pa.Table) -> None:
         write_parquet_atomic(self.root / rel, table)
@@ -173,12 +175,12 @@ class RemoteDestination(RemoteCache):
         except FileNotFoundError:
             return set()
         names = {key.rstrip("/").rsplit("/", 1)[-1] for key in listing}
-        return {n for n in names if n and not n.startswith(LOCK_FILE)}
+        return {n for n in names if n and not is_lock_file(n)}
 
     def is_half_made(self) -> bool:
         """Our entries without a manifest and without a commit: a creation cut short."""
         entries = self._entries()
-        return bool(entries) and all(_ours(n) for n in entries) and MANIFEST_FILE not in entries \
+        return bool(entries) and all(is_cache_entry(n) for n in entries) and MANIFEST_FILE not in entries \
             and COMMITS_DIR not in entries
 
     def foreign_entries(self) -> bool:
@@ -209,7 +211,7 @@ class RemoteDestination(RemoteCache):
         for name in _REMOVAL_ORDER:
             if name in entries:
                 self.fs.rm(self._key(name), recursive=True)
-        rest = [self._key(n) for n in entries if _ours(n) and n not in _REMOVAL_ORDER]
+        rest = [self._key(n) for n in entries if is_cache_entry(n) and n not in _REMOVAL_ORDER]
         if rest:
             self.fs.rm(rest, recursive=True)
 
@@ -236,12 +238,12 @@ class RemoteDestination(RemoteCache):
         stale = sorted(n for n in names if n not in committed and n != ZARR_JSON and n not in ("", ".", "..")
                        and (owned is None or owned(n)))
         if stale:
-            self.fs.rm([self._key(f"{SEGMENTS_DIR}/{n}") for n in stale], recursive=True)
+            self.fs.rm([self._key(segment_rel(n)) for n in stale], recursive=True)
         return len(stale)
 
     def put_segment(self, name: str, write: WriteFiles) -> dict[str, int]:
         """Write a segment's files into a staging directory, then upload them concurrently."""
-        if not NAME_RE.match(name):
+        if not is_segment_name(name):
             raise ValueError(f"bad segment name {name!r}")
         with tempfile.TemporaryDirectory(prefix="dflash-cache-commit-") as tmp:
             staged = Path(tmp) / name
@@ -249,12 +251,12 @@ class RemoteDestination(RemoteCache):
                 files = write(staged)
             except OSError as e:  # the staging disk's problem, not the bucket's
                 raise disk_error(staged, e) from None
-            self._upload(staged, list(files), under=f"{SEGMENTS_DIR}/{name}")
+            self._upload(staged, list(files), under=segment_rel(name))
         return files
 
     def put_record(self, record: SegmentRecord) -> None:
         """One PUT, atomic: the segment is visible from this moment, never before its files."""
-        self.fs.pipe_file(self._key(f"{COMMITS_DIR}/{record.name}.json"), json_bytes(record.to_json()))
+        self.fs.pipe_file(self._key(record_rel(record.name)), json_bytes(record.to_json()))
 
     def put_parquet(self, rel: str, table: pa.Table) -> None:
         self.fs.pipe_file(self._key(rel), parquet_bytes(table))

@@ -32,21 +32,26 @@ from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError, UserError, one_line
 from dflash_cache.files import inside, open_regular, read_json
-from dflash_cache.store.manifest import MANIFEST_FILE, Manifest, read_manifest
-from dflash_cache.store.segments import (
+from dflash_cache.store.layout import (
     COMMITS_DIR,
+    MANIFEST_FILE,
+    check_segment_name,
+    record_path,
+    record_segment,
+    segment_dir,
+    segment_rel,
+)
+from dflash_cache.store.manifest import Manifest, read_manifest
+from dflash_cache.store.segments import (
     MAX_ARRAY_META_BYTES,
     MAX_RECORD_BYTES,
     MAX_SEGMENT_FILES,
-    NAME_RE,
-    SEGMENTS_DIR,
     Found,
     SegmentRecord,
     committed_names,
     read_records,
     record_files,
     records_from,
-    segment_dir,
     segment_files,
 )
 
@@ -117,7 +122,7 @@ class LocalCache:
         if self.root.exists() and not self.root.is_dir():
             what = "a file" if self.root.is_file() else "not a directory"
             raise UserError(f"{self.root} is {what}, not a cache directory; pass the directory extract made "
-                            "(the one holding manifest.json)")
+                            f"(the one holding {MANIFEST_FILE})")
         return self.root.is_dir()
 
     def manifest(self) -> Manifest:
@@ -171,7 +176,7 @@ class LocalCache:
         """(inode, modification time, size) of a segment's commit record, None if it has none: what
         changes when the cache is made again under a reader."""
         try:
-            st = os.stat(self.root / COMMITS_DIR / f"{name}.json")
+            st = os.stat(record_path(self.root, name))
         except OSError:
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size
@@ -270,7 +275,7 @@ class RemoteCache:
             return []
         sizes = {entry["name"].rsplit("/", 1)[-1]: entry.get("size") for entry in listing}
         key = functools.partial(self._key_in, COMMITS_DIR)
-        load = self._json_files({key(n): size for n, size in sizes.items() if n.endswith(".json")}, MAX_RECORD_BYTES)
+        load = self._json_files({key(n): size for n, size in sizes.items() if record_segment(n)}, MAX_RECORD_BYTES)
         return records_from(sizes, lambda name: load(key(name)))
 
     @_guarded
@@ -280,7 +285,7 @@ class RemoteCache:
             listing = self.fs.ls(self._key(COMMITS_DIR), detail=False)
         except FileNotFoundError:
             return []
-        return [n[:-len(".json")] for n in record_files(str(entry).rsplit("/", 1)[-1] for entry in listing)]
+        return [record_segment(n) for n in record_files(str(entry).rsplit("/", 1)[-1] for entry in listing)]
 
     @_guarded
     def size(self, name: str) -> int | None:
@@ -298,9 +303,7 @@ class RemoteCache:
     @_guarded
     def segment_files(self, name: str) -> tuple[Found, list[str]]:
         """Every key under the segment's prefix with its size (an object store has no links)."""
-        if not NAME_RE.match(name):
-            raise CacheCorruptError(f"bad segment name {name!r}")
-        prefix = self._key(f"{SEGMENTS_DIR}/{name}")
+        prefix = self._key(segment_rel(check_segment_name(name)))
         try:
             listing = self.fs.find(prefix, detail=True)
         except FileNotFoundError:
@@ -314,7 +317,7 @@ class RemoteCache:
     def segment_metas(self, name: str, sizes: dict[str, int | None]) -> Callable[[str], Any]:
         """A reader of the segment's JSON files `sizes` names (rel -> size from its listing), all
         fetched at once by concurrent requests: one round trip per segment, not two per array."""
-        key = functools.partial(self._key_in, f"{SEGMENTS_DIR}/{name}")
+        key = functools.partial(self._key_in, segment_rel(name))
         load = self._json_files({key(rel): size for rel, size in sizes.items()}, MAX_ARRAY_META_BYTES)
         return lambda rel: load(key(rel))
 
@@ -323,9 +326,7 @@ class RemoteCache:
         """Every file a segment's record lists, fetched by concurrent requests (one round trip's
         latency for the whole segment, where zarr would ask for each shard's index, then its chunks);
         CacheCorruptError for a missing object or one of another size than the record says."""
-        if not NAME_RE.match(name):
-            raise CacheCorruptError(f"bad segment name {name!r}")
-        prefix = self._key(f"{SEGMENTS_DIR}/{name}")
+        prefix = self._key(segment_rel(check_segment_name(name)))
         keys = {f"{prefix}/{rel}": rel for rel in files}
         fetched = self.fs.cat(list(keys), on_error="return") if keys else {}
         blobs: dict[str, bytes] = {}
@@ -340,7 +341,7 @@ class RemoteCache:
         return blobs
 
     def zarr_store(self, name: str):
-        return self._zarr(f"{SEGMENTS_DIR}/{name}", read_only=True)
+        return self._zarr(segment_rel(name), read_only=True)
 
     def segment_tails(self, name: str) -> None:
         """None: a remote segment's shard indexes are checked on the fetched objects

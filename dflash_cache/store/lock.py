@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 
 from dflash_cache.errors import UserError
-
-LOCK_FILE = ".lock"
+from dflash_cache.store.layout import LOCK_FILE
 
 
 class CacheLock:

@@ -15,11 +15,11 @@ from typing import Any
 from dflash_cache import __version__
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.files import inside, read_json, write_json_atomic
+from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
 LAYER_ID_CONVENTION = "k = output of decoder layer k = Hugging Face hidden_states[k + 1]"
 # Sizes a received manifest may claim: far above any real target, far below what a lie could
 # make a reader allocate (features are [tokens, layers * hidden]).

@@ -19,12 +19,11 @@ import pyarrow as pa
 from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import ParquetLimits, write_parquet_atomic
 from dflash_cache.options import check_options, option
+from dflash_cache.store.layout import PLAN_FILE, segment_name
 from dflash_cache.store.location import Location
 from dflash_cache.store.manifest import Manifest, PlanParams
 from dflash_cache.store.reader import read_parquet
-from dflash_cache.store.segments import segment_name
 
-PLAN_FILE = "plan.parquet"  # one row per planned sample: row, unit, batch, bucket, length
 DEFAULT_BUCKETS = (0, 770, 1216, 1728, 2432, 3296)
 DEFAULT_TOKEN_BUDGET = 49152
 DEFAULT_MAX_ROWS = 64

@@ -38,13 +38,13 @@ import torch
 import zarr
 from zarr.abc.store import RangeByteRequest
 from zarr.core.buffer import default_buffer_prototype
-from zarr.core.common import ZARR_JSON
 from zarr.storage import MemoryStore, WrapperStore
 
 from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import ParquetClaimError, ParquetLimits, read_parquet_within, write_parquet_atomic
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import TOKEN_ARRAYS, FeatureCodec, get_codec, numpy_to_torch
+from dflash_cache.store.layout import INDEX_FILE, ZARR_JSON, array_meta_rel
 from dflash_cache.store.location import LocalCache, Location, open_location
 from dflash_cache.store.manifest import Manifest
 from dflash_cache.store.segments import (
@@ -59,7 +59,6 @@ from dflash_cache.store.segments import (
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "index.parquet"
 OPEN_ARRAYS = 1024  # opened zarr arrays kept per reader (random sample access hits many segments)
 INDEX_BYTES_PER_SAMPLE = 256  # an index.parquet larger than this per sample (+1 MiB) is not read
 # What zarr 3.1 / numcodecs raise when stored bytes fail to decode: ValueError for a CRC32C
@@ -373,7 +372,7 @@ class CacheReader:
         if not problems:
             problems = [p for p in [expansion_problem(found, layouts)] if p]
         if not problems:
-            metas = {rel: found[rel] for rel in (f"{key}/zarr.json" for key in layouts) if rel in found}
+            metas = {rel: found[rel] for rel in map(array_meta_rel, layouts) if rel in found}
             problems = array_problems(self.location.segment_metas(rec.name, metas), found, layouts,
                                       self.location.segment_tails(rec.name))
         if problems:

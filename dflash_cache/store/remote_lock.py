@@ -42,8 +42,9 @@ from typing import Any
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import json_bytes
 from dflash_cache.store.destination import RemoteDestination
+from dflash_cache.store.layout import LOCK_FILE
 from dflash_cache.store.location import is_url
-from dflash_cache.store.lock import LOCK_FILE, CacheLock
+from dflash_cache.store.lock import CacheLock
 
 log = logging.getLogger(__name__)
 LOCK_TTL = 600.0  # seconds a lock lasts without its heartbeat

@@ -16,27 +16,23 @@ import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from zarr.core.common import ZARR_JSON
-
-from dflash_cache.errors import CacheCorruptError
-from dflash_cache.files import TMP_SUFFIX, fsync_path, remove_tmp_files
-from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE
-from dflash_cache.store.reader import INDEX_FILE, write_index
-from dflash_cache.store.segments import (
+from dflash_cache.files import fsync_path, remove_tmp_files
+from dflash_cache.store.layout import (
     COMMITS_DIR,
-    NAME_RE,
+    CREATING_FILE,
+    MANIFEST_FILE,
+    ROOT_STEMS,
     SEGMENTS_DIR,
-    committed_names,
-    read_records,
-    remove_uncommitted,
+    ZARR_JSON,
+    check_segment_name,
+    is_root_tmp,
+    record_path,
+    tmp_stem,
 )
+from dflash_cache.store.reader import write_index
+from dflash_cache.store.segments import committed_names, read_records, remove_uncommitted
 
 log = logging.getLogger(__name__)
-
-CREATING_FILE = ".creating"
-# The files at a cache's root that are replaced by renaming `name.PID.tmp` over them.
-_ROOT_STEMS = [name.split(".")[0] for name in (MANIFEST_FILE, PLAN_FILE, INDEX_FILE, ZARR_JSON)]
 
 
 def is_half_made(root: Path) -> bool:
@@ -49,7 +45,7 @@ def remove_uncommitted_segments(root: Path, committed: set[str], owned: Callable
     stays); with `owned`, only those of the segments it accepts. Without `owned` (no other run can
     be writing) also the temporary files of the cache's own files (`index.parquet.PID.tmp`)."""
     if owned is None:
-        remove_tmp_files(root, stems=_ROOT_STEMS)
+        remove_tmp_files(root, stems=ROOT_STEMS)
     return remove_uncommitted(root, committed | {ZARR_JSON}, owned)
 
 
@@ -58,8 +54,8 @@ def leftovers(root: Path) -> list[str]:
     segment directories no record covers. Harmless to readers; the next extract removes them (while
     an extract runs, its segments in progress are listed too)."""
     committed = set(committed_names(root)) | {ZARR_JSON}
-    found = [p.name for p in sorted(root.iterdir()) if p.name.endswith(TMP_SUFFIX) and p.name.split(".")[0] in _ROOT_STEMS]
-    for sub, keep in ((COMMITS_DIR, lambda n: not n.endswith(TMP_SUFFIX)), (SEGMENTS_DIR, committed.__contains__)):
+    found = [p.name for p in sorted(root.iterdir()) if is_root_tmp(p.name)]
+    for sub, keep in ((COMMITS_DIR, lambda n: tmp_stem(n) is None), (SEGMENTS_DIR, committed.__contains__)):
         if (root / sub).is_dir():
             found += [f"{sub}/{p.name}" for p in sorted((root / sub).iterdir()) if not keep(p.name)]
     return found
@@ -67,14 +63,10 @@ def leftovers(root: Path) -> list[str]:
 
 def uncommit(root: Path, names: Iterable[str]) -> list[str]:
     """Un-commit the named segments and rewrite the index; returns the names un-committed."""
-    names = sorted(set(names))
+    names = [check_segment_name(name) for name in sorted(set(names))]
     for name in names:
-        if not NAME_RE.match(name):
-            raise CacheCorruptError(f"bad segment name {name!r}")
-    commits = root / COMMITS_DIR
-    for name in names:
-        (commits / f"{name}.json").unlink(missing_ok=True)
-    fsync_path(commits)
+        record_path(root, name).unlink(missing_ok=True)
+    fsync_path(root / COMMITS_DIR)
     remaining = read_records(root)
     removed = remove_uncommitted_segments(root, {r.name for r in remaining})
     write_index(root, remaining)

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE, bucket_table, plan_limits, segments_of_plan
-from dflash_cache.store.reader import INDEX_FILE, CacheReader
+from dflash_cache.store.layout import INDEX_FILE, MANIFEST_FILE, PLAN_FILE, segment_name
+from dflash_cache.store.plan import bucket_table, plan_limits, segments_of_plan
+from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.repair import leftovers, uncommit
-from dflash_cache.store.segments import SegmentRecord, segment_name
+from dflash_cache.store.segments import SegmentRecord
 
 BF16_BYTES = 2
 

@@ -1,28 +1,19 @@
 """Segments: immutable groups of whole samples, and the records that commit them.
 
-Layout of a cache root::
+Where a segment and its record live is `dflash_cache.store.layout`. A segment exists for readers
+iff its record exists. The record lists every file the segment wrote with its size, because zarr
+3.1 reads a missing shard as zeros without complaint; readers check the list before touching data.
+Names are validated and every path is resolved inside the root before use, so a cache received
+from someone else cannot point a reader elsewhere.
 
-    zarr.json               the zarr v3 root group
-    manifest.json           what the cache holds (dflash_cache.store.manifest)
-    segments/<name>/        one zarr group per segment: features [T, W] (+ scales), input_ids [T],
-                            loss_mask [T], offsets [n + 1], sample_ids [n]; one shard file per array
-    commits/<name>.json     the segment's commit record: written last, atomically
-    index.parquet           sample -> (segment, row offset, length), rebuilt from commits
-
-A segment exists for readers iff its record exists. The record lists every file the segment wrote
-with its size, because zarr 3.1 reads a missing shard as zeros without complaint; readers check
-the list before touching data. Names are validated and every path is resolved inside the root
-before use, so a cache received from someone else cannot point a reader elsewhere.
-
-This module is the format: names, records, how an array is chunked and sharded (`write_array`)
-and the checks that hold a received segment to that. Committing a segment is
+This module is the format: records, how an array is chunked and sharded (`write_array`) and the
+checks that hold a received segment to that. Committing a segment is
 `dflash_cache.store.writer.commit_segment`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 import struct
@@ -36,13 +27,24 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError
-from dflash_cache.files import TMP_SUFFIX, inside, read_json
+from dflash_cache.files import inside, read_json
 from dflash_cache.store.codecs import TOKEN_ARRAYS, ArraySpec, codec_names, token_spec
+from dflash_cache.store.layout import (
+    COMMITS_DIR,
+    MAX_BATCH,
+    MAX_UNIT,
+    SEGMENTS_DIR,
+    array_meta_rel,
+    is_segment_name,
+    record_segment,
+    segment_dir,
+    segment_name,
+    segment_rel,
+    shard_keys,
+    tmp_stem,
+)
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
-SEGMENTS_DIR = "segments"
-COMMITS_DIR = "commits"
-NAME_RE = re.compile(r"^u(\d{6})-b(\d{5})$")
 CHUNK_BYTES = 8 << 20  # target bytes per compressed chunk inside a shard
 SHARD_BYTES = 96 << 20  # target bytes per shard file: several per large segment, so zarr
                         # compresses them concurrently and one segment's write is not serial
@@ -59,8 +61,8 @@ EXPANSION_SLACK = 64 << 20
 MAX_RECORD_BYTES = 16 << 20  # a commit record
 # Integer ranges of commit-record fields, by field name (default: [0, 2**63)).
 _RECORD_BOUNDS: dict[str, tuple[int, int]] = {
-    "unit": (0, 999_999),
-    "batch": (0, 99_999),
+    "unit": (0, MAX_UNIT),
+    "batch": (0, MAX_BATCH),
     "bucket": (0, (1 << 15) - 1),  # the index stores buckets as int16
     "rank": (0, (1 << 31) - 1),
     "num_tokens": (1, MAX_SEGMENT_TOKENS),
@@ -68,10 +70,6 @@ _RECORD_BOUNDS: dict[str, tuple[int, int]] = {
     "lengths": (1, MAX_SEGMENT_TOKENS),
     "supervised": (0, MAX_SEGMENT_TOKENS),
 }
-
-
-def segment_name(unit: int, batch: int) -> str:
-    return f"u{unit:06d}-b{batch:05d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +106,7 @@ class SegmentRecord:
 
     def check(self, where: str) -> None:
         problems = []
-        if not NAME_RE.match(self.name) or self.name != segment_name(self.unit, self.batch):
+        if not is_segment_name(self.name) or self.name != segment_name(self.unit, self.batch):
             problems.append(f"bad segment name {self.name!r}")
         if not (len(self.sample_ids) == len(self.lengths) == len(self.supervised)) or not self.sample_ids:
             problems.append("sample lists disagree in length or are empty")
@@ -174,14 +172,13 @@ def read_records(root: Path) -> list[SegmentRecord]:
 def committed_names(root: Path) -> list[str]:
     """The committed segments' names, sorted, from one directory listing (no record is read)."""
     commits = root / COMMITS_DIR
-    return [n[:-len(".json")] for n in record_files(p.name for p in commits.iterdir())] if commits.is_dir() else []
+    return [record_segment(n) for n in record_files(p.name for p in commits.iterdir())] if commits.is_dir() else []
 
 
 def record_files(names: Iterable[str]) -> list[str]:
     """The commit records' file names among the file names of a commits directory, sorted:
     temporary files and strangers left out. Shared by local and remote caches."""
-    return sorted(n for n in names if not n.endswith(TMP_SUFFIX) and n.endswith(".json")
-                  and NAME_RE.match(n[:-len(".json")]))
+    return sorted(n for n in names if record_segment(n) is not None)
 
 
 def records_from(names: Iterable[str], load: Callable[[str], Any]) -> list[SegmentRecord]:
@@ -194,16 +191,10 @@ def records_from(names: Iterable[str], load: Callable[[str], Any]) -> list[Segme
         except (ValueError, OSError) as e:
             raise CacheCorruptError(f"commit record {name} is unreadable ({e})") from None
         rec = SegmentRecord.from_json(obj, where=name)
-        if rec.name != name[:-len(".json")]:
+        if rec.name != record_segment(name):
             raise CacheCorruptError(f"commit record {name} names segment {rec.name}")
         records.append(rec)
     return records
-
-
-def segment_dir(root: Path, name: str) -> Path:
-    if not NAME_RE.match(name):
-        raise CacheCorruptError(f"bad segment name {name!r}")
-    return inside(root, root / SEGMENTS_DIR / name)
 
 
 # --- checking a received segment -------------------------------------------------------------
@@ -222,7 +213,7 @@ def segment_files(root: Path, name: str) -> tuple[Found, list[str]]:
     if not seg.exists():
         return {}, []
     if not seg.is_dir():
-        return {}, [f"{SEGMENTS_DIR}/{name} is not a directory"]
+        return {}, [f"{segment_rel(name)} is not a directory"]
     found: Found = {}
     problems: list[str] = []
     base, pending, seen = root.resolve(), [(seg, "")], {seg}
@@ -371,12 +362,6 @@ def _check_rows(chunk: int, shard: int, rows: int, row_bytes: int) -> None:
         raise ValueError(f"chunk rows {chunk} / shard rows {shard} exceed what the writer makes")
 
 
-def shard_keys(key: str, shape: tuple[int, ...], shard_rows: int) -> list[str]:
-    """The files zarr reads for an array sharded by whole rows, in row order."""
-    tail = "/0" * (len(shape) - 1)
-    return [f"{key}/c/{i}{tail}" for i in range(-(-shape[0] // shard_rows))]
-
-
 def _shard_problem(rel: str, size: int | None, layout: ArrayLayout, index_bytes: int) -> str | None:
     """zarr reads an absent or empty shard as zeros: either is damage (unless the record says zeros)."""
     if size is None:
@@ -462,7 +447,7 @@ def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[
     `read_meta(rel)` parses the segment's JSON file `rel` (at most MAX_ARRAY_META_BYTES)."""
     problems = []
     for key, layout in layouts.items():
-        meta_rel = f"{key}/zarr.json"
+        meta_rel = array_meta_rel(key)
         if found.get(meta_rel) is None:
             problems.append(f"{meta_rel} is missing")
             continue
@@ -504,6 +489,7 @@ def remove_uncommitted(root: Path, committed: set[str], owned: Callable[[str], b
     commits = root / COMMITS_DIR
     if commits.is_dir():
         for p in commits.iterdir():
-            if p.name.endswith(TMP_SUFFIX) and mine(p.name.split(".")[0]):
+            stem = tmp_stem(p.name)
+            if stem is not None and mine(stem):
                 p.unlink(missing_ok=True)
     return removed

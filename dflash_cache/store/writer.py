@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import zarr
-from zarr.core.common import ZARR_JSON
 from zarr.storage import LocalStore
 
 from dflash_cache.errors import UserError
@@ -31,17 +30,20 @@ from dflash_cache.files import check_regular, list_files
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import ArraySpec, to_stored_numpy, token_spec
 from dflash_cache.store.destination import Destination, disk_error, open_destination
-from dflash_cache.store.location import LocalCache
-from dflash_cache.store.manifest import MANIFEST_FILE, Manifest, mismatches, write_manifest
-from dflash_cache.store.plan import Plan, PlannedBatch, write_plan_table
-from dflash_cache.store.reader import INDEX_FILE, index_table
-from dflash_cache.store.segments import (
+from dflash_cache.store.layout import (
     COMMITS_DIR,
+    INDEX_FILE,
+    MANIFEST_FILE,
     SEGMENTS_DIR,
-    SegmentRecord,
+    SEGMENTS_GROUP_META,
+    ZARR_JSON,
     segment_name,
-    write_array,
 )
+from dflash_cache.store.location import LocalCache
+from dflash_cache.store.manifest import Manifest, mismatches, write_manifest
+from dflash_cache.store.plan import Plan, PlannedBatch, write_plan_table
+from dflash_cache.store.reader import index_table
+from dflash_cache.store.segments import SegmentRecord, write_array
 
 __all__ = ["Out", "check_matches", "commit_segment", "disk_error", "finish_cache", "list_files", "open_or_create",
            "write_segment"]
@@ -99,7 +101,7 @@ def _create(dest: Destination, plan: Plan, manifest: Manifest) -> None:
     """Make a new cache: its files are written into the directory the destination gives, the
     manifest last (a remote destination uploads them when the block ends, the manifest last too)."""
     with dest.creating() as root:
-        group = zarr.create_group(store=LocalStore(root), attributes={"dflash_cache": "see manifest.json"})
+        group = zarr.create_group(store=LocalStore(root), attributes={"dflash_cache": f"see {MANIFEST_FILE}"})
         _segments_group(group)
         (root / COMMITS_DIR).mkdir()
         write_plan_table(root, plan)
@@ -108,8 +110,8 @@ def _create(dest: Destination, plan: Plan, manifest: Manifest) -> None:
 
 def _segments_group(root_group: zarr.Group) -> None:
     """`segments/` as a zarr group, so zarr tools walking the hierarchy reach every segment."""
-    root_group.create_group(SEGMENTS_DIR, attributes={"dflash_cache": "one group per segment; "
-                                                      "only those with a record in commits/ are committed"})
+    root_group.create_group(SEGMENTS_DIR, attributes={"dflash_cache": "one group per segment; only those with a "
+                                                      f"record in {COMMITS_DIR}/ are committed"})
 
 
 def _reopen(dest: Destination) -> None:
@@ -118,10 +120,10 @@ def _reopen(dest: Destination) -> None:
     to open, so a local one that is not a regular file (a FIFO: zarr would wait on it forever) is
     refused first."""
     if isinstance(dest, LocalCache):
-        for rel in (ZARR_JSON, f"{SEGMENTS_DIR}/{ZARR_JSON}"):
+        for rel in (ZARR_JSON, SEGMENTS_GROUP_META):
             check_regular(dest.root, rel)
     dest.reopen()
-    if not dest.has(f"{SEGMENTS_DIR}/{ZARR_JSON}"):
+    if not dest.has(SEGMENTS_GROUP_META):
         _segments_group(zarr.open_group(store=dest.zarr_root(), mode="r+"))
 
 

@@ -228,7 +228,7 @@ def test_a_chat_template_with_the_demo_data_is_refused(tmp_path):
 def test_a_model_directory_without_weights_leaves_no_cache_and_the_rerun_works(tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    from dflash_cache.extract.tiny import tiny_config
+    from dflash_cache.target.tiny import tiny_config
 
     model, out = tmp_path / "model", tmp_path / "c"
     tiny_config().save_pretrained(model)  # config.json alone
@@ -247,7 +247,7 @@ def other_target(path: Path, **changes) -> Path:
     """A random tiny Qwen3 saved at `path`: the tiny target's config with `changes` (another target)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_cache.extract.tiny import tiny_config
+    from dflash_cache.target.tiny import tiny_config
 
     config = {k: v for k, v in tiny_config().to_dict().items() if k != "layer_types"}
     Qwen3ForCausalLM(Qwen3Config(**{**config, **changes})).save_pretrained(path)
@@ -324,8 +324,8 @@ def test_train_on_a_cache_of_another_target_names_both_targets(tmp_path):
     """The config hashes differ too, but the field named is the one a user recognises."""
     import dataclasses
 
-    from dflash_cache.extract.target import TargetSpec, describe_target
     from dflash_cache.store.manifest import write_manifest
+    from dflash_cache.target.model import TargetSpec, describe_target
     from tests.dflash_cache.store._util import make_manifest
 
     layers = (1, 2, 3, 4, 5)

@@ -29,7 +29,7 @@ def test_a_wheel_holds_the_phases_and_the_repository_root_imports_them(tmp_path)
     wheel = next(tmp_path.glob("dflash_cache-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"dflash_cache/extract/run.py", "dflash_cache/train/trainer.py",
-            "dflash_cache/train/remote_code/dflash.py", "dflash_cache/extract/tiny_target/config.json"} <= names
+            "dflash_cache/train/remote_code/dflash.py", "dflash_cache/target/tiny_target/config.json"} <= names
     unpacked = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(unpacked)
     find = ("import importlib.util as u; "

@@ -13,9 +13,9 @@ import pytest
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.extract.target import TargetSpec
 from dflash_cache.options import ConfigCommand, check_options, config_options, flag_of, option
 from dflash_cache.store.plan import PlanConfig
+from dflash_cache.target.model import TargetSpec
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec
-from dflash_cache.extract.tiny import build_tiny_target
-from dflash_cache.store.fp8 import fp8_error_bound
+from dflash_cache.store.codecs.fp8 import fp8_error_bound
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
+from dflash_cache.target.model import TargetSpec
+from dflash_cache.target.tiny import build_tiny_target
 from tests.conftest import extract_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

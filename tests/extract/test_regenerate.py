@@ -14,14 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
+from dflash_cache.data.chat import ChatSpec
+from dflash_cache.data.dataset import open_dataset
 from dflash_cache.errors import UserError
 from dflash_cache.extract import regenerate as regenerate_module
-from dflash_cache.extract.chat import ChatSpec
-from dflash_cache.extract.dataset import open_dataset
 from dflash_cache.extract.regenerate import RegenerateConfig, regenerate
-from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.target.tiny import build_tiny_target
 from dflash_cache.train.speculative import greedy_generate
-from tests.extract.test_chat import CHATS, write_jsonl
+from tests.dflash_cache.data.test_chat import CHATS, write_jsonl
 
 NEW_TOKENS = 10
 EOT_ID = 0  # the tiny tokenizer's end of text, its template's end of an assistant turn
@@ -131,7 +131,7 @@ def test_a_row_the_chat_template_refuses_is_dropped_not_a_crash(tmp_path):
     extract does, and the others are regenerated."""
     import torch
 
-    from dflash_cache.extract.tiny import TINY_DIR
+    from dflash_cache.target.tiny import TINY_DIR
 
     template = tmp_path / "strict.jinja"
     template.write_text("{% for m in messages %}{% if 'REFUSE' in m['content'] %}{{ raise_exception('refused') }}"

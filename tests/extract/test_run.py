@@ -20,12 +20,13 @@ from click.testing import CliRunner
 from dflash_cache.cli import cli
 from dflash_cache.extract.job import open_or_create, plan_job
 from dflash_cache.extract.run import extract, run_rank
+from dflash_cache.store.layout import segment_name
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.store.manifest import read_manifest
 from dflash_cache.store.plan import deal, read_plan
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
-from dflash_cache.store.segments import read_records, segment_name
+from dflash_cache.store.segments import read_records
 from tests.conftest import REPO, extract_config, random_rows, torchrun_cli, wait_for_commits
 
 SMALL = ["--model", "tiny", "--gpus", "cpu", "--token-budget", "1024", "--max-rows", "8", "--unit-rows", "16",
@@ -43,7 +44,7 @@ def sample_ids(root: Path) -> list[int]:
 def assert_nothing_written(out: Path) -> None:
     """A refused run leaves `out` as it found it: missing, or holding at most the lock file that the
     test itself held (no manifest, no commits, no directory or file of its own)."""
-    from dflash_cache.store.lock import LOCK_FILE
+    from dflash_cache.store.layout import LOCK_FILE
 
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.exists() else []
     assert left in ([], [LOCK_FILE]), f"the refused run wrote {left}"
@@ -357,16 +358,3 @@ def test_segments_is_a_zarr_group_and_old_caches_still_resume(small_parquet, tmp
     extract(cfg, "cpu", echo=lambda *_: None)
     assert (out / "segments" / "zarr.json").is_file() and sample_ids(out) == list(range(48))
     assert not verify(CacheReader(out))
-
-
-@pytest.mark.parametrize(("has_gpu", "level"), [(False, "INFO"), (True, "WARNING")])
-def test_gpus_all_without_cuda_warns_only_where_the_machine_has_a_gpu(monkeypatch, caplog, has_gpu, level):
-    """On a plain CPU machine, running `--gpus all` (the default) on the CPU is news, not a warning."""
-    from dflash_cache.extract import run
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(run, "_machine_has_gpu", lambda: has_gpu)
-    with caplog.at_level("INFO", logger="dflash_cache.extract.run"):
-        assert run.parse_gpus("all") is None
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        (level, "--gpus all: no CUDA device visible, running on the CPU")]

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.extract.target import weights_fingerprint
-from dflash_cache.extract.tiny import TINY
+from dflash_cache.target.model import weights_fingerprint
+from dflash_cache.target.tiny import TINY
 from dflash_cache.train.export import drafter_from_export
 from tools import make_demo_drafter as tool
 from tools.make_demo_drafter import (

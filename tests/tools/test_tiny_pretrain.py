@@ -1,4 +1,4 @@
-"""The tiny target's pretraining script and the committed assets it produced (extract/tiny_target/)."""
+"""The tiny target's pretraining script and the committed assets it produced (dflash_cache/target/tiny_target/)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_cache.extract import tiny as target_mod
-from dflash_cache.extract.demo import demo_prompts
-from dflash_cache.extract.target import weights_fingerprint
-from dflash_cache.extract.tiny import (
+from dflash_cache.data.demo import demo_prompts
+from dflash_cache.target import tiny as target_mod
+from dflash_cache.target.model import weights_fingerprint
+from dflash_cache.target.tiny import (
     TINY_DIR,
     TINY_EOT,
     TINY_MASK,

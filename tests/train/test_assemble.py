@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.extract.target import TargetSpec, describe_target
+from dflash_cache.target.model import TargetSpec, describe_target
 from dflash_cache.train.assemble import _drafter_and_head, target_devices
 from dflash_cache.train.run_config import TrainConfig
 

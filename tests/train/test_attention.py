@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import dflash_cache.train.masks as masks_mod
-from dflash_cache.extract.tiny import tiny_config
 from dflash_cache.store.batch import PackedBatch
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train.anchors import Blocks, sample_anchors
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, init_drafter

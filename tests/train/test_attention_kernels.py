@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_cache.cli import cli
 from dflash_cache.errors import UserError
-from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train import attention_kernels as ak
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import init_drafter

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import init_drafter

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dflash_cache.extract.tiny import build_tiny_target, tiny_config
+from dflash_cache.target.tiny import build_tiny_target, tiny_config
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead, init_drafter

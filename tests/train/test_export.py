@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from dflash_cache.errors import UserError
-from dflash_cache.extract.target import TargetSpec, describe_target
-from dflash_cache.extract.tiny import build_tiny_target, tiny_config
 from dflash_cache.store.manifest import TargetIdentity
+from dflash_cache.target.model import TargetSpec, describe_target
+from dflash_cache.target.tiny import build_tiny_target, tiny_config
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, init_drafter
 from dflash_cache.train.export import (

@@ -51,7 +51,7 @@ def test_linear_and_lm_head_flops_match_the_counted_matmuls(demo_cache, tmp_path
 def test_attention_flops_count_visible_pairs():
     """Full layers: a block's B queries see the anchor's prefix and the block; sliding layers are
     capped by the window."""
-    from dflash_cache.extract.tiny import tiny_config
+    from dflash_cache.target.tiny import tiny_config
     from dflash_cache.train.config import DrafterConfig
 
     cfg = DrafterConfig.from_target(tiny_config(), (1, 3), num_layers=2, block_size=4,

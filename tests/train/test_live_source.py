@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_cache.data.inputs import open_data
 from dflash_cache.errors import UserError
-from dflash_cache.extract.capture import HiddenStateCapture
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.extract.job import open_data
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec, describe_target, load_target
 from dflash_cache.store.manifest import mismatches
 from dflash_cache.store.plan import PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
+from dflash_cache.target.capture import HiddenStateCapture
+from dflash_cache.target.model import TargetSpec, describe_target, load_target
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.epoch_plan import Position, SourceConfig
 from dflash_cache.train.live_source import LiveSource, live_sample_table

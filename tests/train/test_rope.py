@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, RotaryEmbedding, init_drafter
 from dflash_cache.train.export import drafter_from_export, export_drafter

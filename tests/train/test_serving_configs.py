@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_cache.cli import cli
 from dflash_cache.errors import UserError
-from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train.config import SLIDING_ATTENTION, DrafterConfig
 from dflash_cache.train.drafter import init_drafter
 from dflash_cache.train.export import export_drafter

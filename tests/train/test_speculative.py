@@ -13,8 +13,8 @@ from torch import nn
 
 from dflash_cache.cli import cli
 from dflash_cache.errors import UserError
-from dflash_cache.extract.target import TargetSpec, describe_target
-from dflash_cache.extract.tiny import build_tiny_target
+from dflash_cache.target.model import TargetSpec, describe_target
+from dflash_cache.target.tiny import build_tiny_target
 from dflash_cache.train import speculative
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import FrozenTargetHead, init_drafter
@@ -111,8 +111,8 @@ def test_shipped_model_code_drafts_as_eval_does(tiny, demo_drafter, tmp_path: Pa
 def family_target(request, tmp_path_factory) -> nn.Module:
     """A tiny random target of a family as `eval` loads it: hybrid linear/full attention (Qwen3.5, from
     its multimodal checkpoint), sliding/full alternation (gpt-oss), plain full attention (Llama 3)."""
-    from dflash_cache.extract.target import load_target
-    from tests.extract.test_architectures import FAMILIES, LAYERS
+    from dflash_cache.target.model import load_target
+    from tests.dflash_cache.target.test_architectures import FAMILIES, LAYERS
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(request.param) / "model"
@@ -146,7 +146,7 @@ def test_keeping_part_of_a_verified_block_is_as_if_only_that_part_was_seen(famil
 
 def test_eval_is_lossless_on_a_hybrid_target(family_target):
     """Speculative decoding with a random drafter (mostly rejected blocks) reproduces greedy decoding."""
-    from tests.extract.test_architectures import LAYERS
+    from tests.dflash_cache.target.test_architectures import LAYERS
 
     cfg = DrafterConfig.from_target(family_target.config, LAYERS, num_layers=1, block_size=4)
     drafter = init_drafter(cfg, seed=0).eval()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.extract.tiny import tiny_config
+from dflash_cache.target.tiny import tiny_config
 from dflash_cache.train.anchors import anchors_at_most, sample_anchors
 from dflash_cache.train.config import FULL_ATTENTION, DrafterConfig
 from dflash_cache.train.drafter import init_drafter

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from dflash_cache.cli import cli
 from dflash_cache.extract.run import extract
-from dflash_cache.extract.target import TargetSpec
 from dflash_cache.profiler import StageProfiler
+from dflash_cache.target.model import TargetSpec
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer, lr_factor
@@ -233,7 +233,7 @@ def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
 def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
     from transformers import Qwen3ForCausalLM
 
-    from dflash_cache.extract.tiny import tiny_config
+    from dflash_cache.target.tiny import tiny_config
 
     config = tiny_config()
     config.vocab_size = 4096
@@ -244,14 +244,53 @@ def test_cache_for_another_target_is_refused(demo_cache, tmp_path):
     assert "target.vocab_size" in r.output and "Traceback" not in r.output
 
 
+TWO_RANK_RUN = ["--target", "tiny", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8",
+                "--token-budget", "1024", "--max-steps", "4", "--log-every", "2", "--no-progress", "--eval-batches", "3"]
+
+
 def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
+    out = tmp_path / "ddp"
+    torchrun_cli("train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--device", "cpu",
+                 "--eval-data", str(demo_cache), timeout=300)
+    _check_two_rank_run(demo_cache, out)
+
+
+def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache, tmp_path, monkeypatch):
+    """`train --gpus`: one rank per device through the launcher extract uses (two CPU ranks here, as
+    `--gpus all` would give two GPUs), the same run the torchrun test checks; rank 0 says the result
+    line here, and OUT/config.yaml records --gpus, so `--config` starts the ranks again."""
+    from dflash_cache.train import ranks
+
+    monkeypatch.setattr(ranks, "gpu_devices", lambda _spec: [torch.device("cpu")] * 2)
+    out = tmp_path / "ddp"
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--gpus",
+                                 "all", "--eval-data", str(demo_cache)])
+    assert r.exit_code == 0, r.output
+    assert [line for line in r.output.splitlines() if line.startswith("done:")] == [
+        f"done: step 4, loss {_rows(out)[1]['loss']:.4f}, tau_hat {_rows(out)[1]['tau_hat']:.3f}; exported to "
+        f"{out / 'export'}"]
+    _check_two_rank_run(demo_cache, out)
+    recorded = (out / "config.yaml").read_text()
+    assert "\ngpus: all\n" in recorded and "\ndevice:" not in recorded
+
+
+@pytest.mark.parametrize(("args", "env", "says"), [
+    (["--gpus", "cpu", "--device", "cpu"], {}, "--gpus cpu and --device cpu both say where to train"),
+    (["--gpus", "cpu"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}, "torchrun started this one"),
+])
+def test_train_gpus_with_device_or_under_torchrun_is_one_line(demo_cache, tmp_path, monkeypatch, args, env, says):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, *args])
+    assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not out.exists()
+
+
+def _check_two_rank_run(demo_cache: Path, out: Path) -> None:
+    """What two DDP ranks on the CPU made of TWO_RANK_RUN with three held-out batches."""
     from safetensors.torch import load_file as load
 
-    out = tmp_path / "ddp"
-    torchrun_cli("train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out), "--block-size", "8",
-                 "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024", "--max-steps", "4",
-                 "--log-every", "2", "--device", "cpu", "--no-progress", "--eval-data", str(demo_cache),
-                 "--eval-batches", "3", timeout=300)
     rows = _rows(out)
     assert [(r["step"], r.get("split")) for r in rows] == [(2, None), (4, None), (4, "eval")]
     # the ranks' shares of the held-out batches (2 and 1), all-reduced, are what one process finds
@@ -275,7 +314,7 @@ def test_cache_from_another_checkpoint_of_the_same_architecture_is_refused(tmp_p
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from dflash_cache.extract.tiny import tiny_config
+    from dflash_cache.target.tiny import tiny_config
     from tests.conftest import extract_config
 
     for seed, name in ((0, "a"), (1, "b")):

@@ -17,9 +17,10 @@ import torch
 
 from dflash_cache.store.batch import HostBatch, cu_seqlens_of
 from dflash_cache.store.codecs import get_codec, to_stored_numpy
+from dflash_cache.store.layout import COMMITS_DIR, SEGMENTS_DIR, segment_name
 from dflash_cache.store.manifest import Manifest, PlanParams, TargetIdentity, write_manifest
 from dflash_cache.store.plan import PlannedBatch
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, segment_name
+from dflash_cache.store.segments import SegmentRecord
 from dflash_cache.store.writer import commit_segment
 
 VOCAB = 1000

@@ -17,8 +17,8 @@ _BUILT: dict[str, Path] = {}
 def build_cache(out: Path, codec: str) -> Path:
     from dflash_cache.extract.config import ExtractConfig
     from dflash_cache.extract.run import extract
-    from dflash_cache.extract.target import TargetSpec
     from dflash_cache.store.plan import PlanConfig
+    from dflash_cache.target.model import TargetSpec
 
     cfg = ExtractConfig(
         target=TargetSpec(model="tiny"), data="demo", out=str(out), codec=codec,
@@ -31,7 +31,7 @@ def build_cache(out: Path, codec: str) -> Path:
 @pytest.fixture(scope="session")
 def demo_tokens() -> int:
     """Tokens in the demo dataset: not a constant, it changes whenever the tiny target is retrained."""
-    from dflash_cache.extract.demo import demo_table
+    from dflash_cache.data.demo import demo_table
 
     return sum(len(ids) for ids in demo_table().column("input_ids").to_pylist())
 

@@ -14,10 +14,10 @@ from dflash_cache.store.batch import (
     positions_from_cu_seqlens,
 )
 from dflash_cache.store.codecs import TOKEN_ARRAYS, get_codec
+from dflash_cache.store.layout import COMMITS_DIR
 from dflash_cache.store.manifest import write_manifest
 from dflash_cache.store.plan import PlannedBatch
 from dflash_cache.store.reader import CacheReader
-from dflash_cache.store.segments import COMMITS_DIR
 from dflash_cache.store.writer import commit_segment
 from tests.dflash_cache.store._util import bf16_features, make_manifest
 

@@ -21,10 +21,11 @@ from zarr.storage import LocalStore
 
 from dflash_cache.errors import CacheCorruptError
 from dflash_cache.files import read_json
-from dflash_cache.store.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from dflash_cache.store.plan import PLAN_FILE, plan_limits
-from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, read_parquet, write_index
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, check_files, read_records
+from dflash_cache.store.layout import COMMITS_DIR, INDEX_FILE, MANIFEST_FILE, PLAN_FILE, SEGMENTS_DIR
+from dflash_cache.store.manifest import read_manifest, write_manifest
+from dflash_cache.store.plan import plan_limits
+from dflash_cache.store.reader import CacheReader, build_index, read_parquet, write_index
+from dflash_cache.store.segments import check_files, read_records
 from dflash_cache.store.writer import list_files
 from tests.dflash_cache.store._util import (
     finishes_within,

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dflash_cache.errors import UserError
-from dflash_cache.store.lock import LOCK_FILE, CacheLock
+from dflash_cache.store.layout import LOCK_FILE
+from dflash_cache.store.lock import CacheLock
 
 
 class Refused(Exception):

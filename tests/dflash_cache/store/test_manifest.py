@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from dflash_cache.errors import CacheCorruptError
+from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.store.manifest import (
     FORMAT_VERSION,
-    MANIFEST_FILE,
     Manifest,
     mismatches,
     read_manifest,

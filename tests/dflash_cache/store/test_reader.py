@@ -15,7 +15,8 @@ import torch
 
 import dflash_cache.store.reader as reader_mod
 from dflash_cache.errors import UserError
-from dflash_cache.store.reader import INDEX_FILE, CacheReader, build_index, write_index
+from dflash_cache.store.layout import INDEX_FILE
+from dflash_cache.store.reader import CacheReader, build_index, write_index
 from dflash_cache.store.segments import SegmentRecord, read_records
 from tests.dflash_cache.store._util import many_segments, preempt_in, synthetic_cache, write_synthetic_segment
 
@@ -286,7 +287,7 @@ def test_a_record_whose_lengths_disagree_with_the_stored_offsets_is_refused_when
     import json
 
     from dflash_cache.errors import CacheCorruptError
-    from dflash_cache.store.segments import COMMITS_DIR
+    from dflash_cache.store.layout import COMMITS_DIR
 
     root = cache_copy("bf16")
     rec = next(r for r in read_records(root) if len(r.lengths) > 1 and r.lengths[0] > 5)

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_cache.errors import UserError
 from dflash_cache.store import remote_lock
-from dflash_cache.store.lock import LOCK_FILE
+from dflash_cache.store.layout import LOCK_FILE
 from dflash_cache.store.remote_lock import RemoteLock
 
 pytest.importorskip("s3fs")

@@ -20,13 +20,13 @@ from dflash_cache.errors import UserError
 from dflash_cache.extract.job import open_or_create as open_job_cache
 from dflash_cache.extract.job import plan_job
 from dflash_cache.extract.run import job_from_cache, run_rank
-from dflash_cache.extract.target import describe_target
 from dflash_cache.store.destination import RemoteDestination
-from dflash_cache.store.lock import LOCK_FILE
+from dflash_cache.store.layout import LOCK_FILE
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.remote_lock import RemoteLock
 from dflash_cache.store.report import verify
 from dflash_cache.store.writer import finish_cache, open_or_create
+from dflash_cache.target.model import describe_target
 from tests.conftest import extract_config
 from tests.dflash_cache.store._util import make_manifest
 from tests.dflash_cache.store.test_writer import one_segment_plan

@@ -7,10 +7,11 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
+from dflash_cache.store.layout import COMMITS_DIR, CREATING_FILE, INDEX_FILE, SEGMENTS_DIR
 from dflash_cache.store.lock import CacheLock
-from dflash_cache.store.reader import INDEX_FILE, CacheReader, records_digest
-from dflash_cache.store.repair import CREATING_FILE, uncommit
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
+from dflash_cache.store.reader import CacheReader, records_digest
+from dflash_cache.store.repair import uncommit
+from dflash_cache.store.segments import read_records
 from tests.dflash_cache.store._util import flip_byte
 from tests.dflash_cache.store.conftest import build_cache
 

@@ -10,11 +10,10 @@ from click.testing import CliRunner
 
 from dflash_cache.cli import cli
 from dflash_cache.store.codecs import get_codec
-from dflash_cache.store.manifest import MANIFEST_FILE
-from dflash_cache.store.plan import PLAN_FILE
-from dflash_cache.store.reader import INDEX_FILE, CacheReader
+from dflash_cache.store.layout import COMMITS_DIR, INDEX_FILE, MANIFEST_FILE, PLAN_FILE, SEGMENTS_DIR
+from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import describe_sample, format_summary, summarize, verify
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, read_records
+from dflash_cache.store.segments import read_records
 from tests.dflash_cache.store._util import flip_byte
 
 KEYS = {"samples", "tokens", "segments", "codec", "layer_ids", "hidden_size", "bytes_on_disk", "bytes_per_token",

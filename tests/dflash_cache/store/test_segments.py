@@ -9,16 +9,14 @@ import shutil
 import pytest
 
 from dflash_cache.errors import CacheCorruptError
+from dflash_cache.store.layout import COMMITS_DIR, SEGMENTS_DIR, segment_dir
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.segments import (
-    COMMITS_DIR,
     MAX_SEGMENT_TOKENS,
-    SEGMENTS_DIR,
     SegmentRecord,
     check_files,
     read_records,
     remove_uncommitted,
-    segment_dir,
 )
 from tests.dflash_cache.store._util import synthetic_cache
 

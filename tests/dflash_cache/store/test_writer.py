@@ -16,12 +16,12 @@ from dflash_cache.errors import UserError
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch, PackedBatch
 from dflash_cache.store.codecs import get_codec
+from dflash_cache.store.layout import COMMITS_DIR, CREATING_FILE, INDEX_FILE, PLAN_FILE, SEGMENTS_DIR
 from dflash_cache.store.manifest import read_manifest, write_manifest
-from dflash_cache.store.plan import PLAN_FILE, Plan, PlanConfig, PlannedBatch, read_plan
-from dflash_cache.store.reader import INDEX_FILE, CacheReader
-from dflash_cache.store.repair import CREATING_FILE
+from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch, read_plan
+from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
-from dflash_cache.store.segments import COMMITS_DIR, SEGMENTS_DIR, SegmentRecord, check_files
+from dflash_cache.store.segments import SegmentRecord, check_files
 from dflash_cache.store.writer import disk_error, finish_cache, open_or_create
 from tests.dflash_cache.store._util import bf16_features, make_manifest, write_synthetic_segment
 
@@ -197,7 +197,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 def test_extraction_and_the_tee_commit_the_same_segment(tmp_path, codec):
     """The same rows and features, through extraction's writer thread and through the tee (their
     own methods, on stand-ins for the objects around them), give byte-identical segments."""
-    from dflash_cache.extract.dataset import Row
+    from dflash_cache.data.dataset import Row
     from dflash_cache.extract.pipeline import RankExtractor, layout_batch
     from dflash_cache.train.tee import CacheTee
 

@@ -1,0 +1,76 @@
+"""The launcher on the CPU: ranks started by torch's elastic launcher with gloo, as on GPUs.
+
+Functions a launched rank runs are defined at module level: spawned processes import them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dflash_cache.errors import UserError
+from dflash_cache.launch import RankFailed, launch
+
+TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
+Echo = Callable[[str], None]
+DISK_FULL = "disk full while writing to the cache; free space and run the same command again"
+
+
+def note_device(folder: str, *, device: torch.device, echo: Echo) -> None:
+    """A rank that writes down what it was given and joins the others, as extraction ranks do."""
+    dist.init_process_group("gloo")
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    (Path(folder) / f"rank-{dist.get_rank()}").write_text(f"{device} {env}")
+    echo(f"rank {dist.get_rank()} says hello")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank_1_fails(kind: str, *, device: torch.device, echo: Echo) -> None:
+    """Rank 1 fails as `kind` says; rank 0 would work for a minute ('user') or waits for rank 1 ('bug')."""
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise UserError(DISK_FULL) if kind == "user" else RuntimeError("simulated bug\nsecond line of its message")
+    if kind == "user":
+        time.sleep(60)
+    dist.barrier()  # fails when rank 1 dies: an error of rank 0's own that must not be reported
+
+
+def test_each_rank_gets_its_device_and_the_parent_is_left_as_it_was(tmp_path):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    environ = dict(os.environ)
+    said = []
+    launch(note_device, (str(tmp_path),), [torch.device("cpu", 1), torch.device("cpu", 0)], echo=said.append)
+    assert sorted(said) == ["rank 0 says hello", "rank 1 says hello"]
+    got = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert got["rank-0"].startswith("cpu:1 ") and got["rank-1"].startswith("cpu:0 ")
+    assert "'LOCAL_RANK': '1', 'WORLD_SIZE': '2', 'MASTER_ADDR'" in got["rank-1"]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert dict(os.environ) == environ
+
+
+def test_a_rank_user_error_stops_the_others_and_comes_back_as_its_one_line(capfd):
+    t0 = time.perf_counter()
+    with pytest.raises(RankFailed) as failed:
+        launch(rank_1_fails, ("user",), TWO_CPUS, crash_hint="never shown for a UserError")
+    assert time.perf_counter() - t0 < 30, "rank 0 was not stopped"
+    assert str(failed.value) == DISK_FULL and isinstance(failed.value, UserError)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "failed (exitcode" not in err, err
+
+
+def test_an_unexpected_exception_shows_its_traceback_then_one_line(capfd):
+    with pytest.raises(RankFailed) as failed:
+        launch(rank_1_fails, ("bug",), TWO_CPUS, crash_hint="run it again")
+    assert str(failed.value) == ("rank 1 on cpu failed with RuntimeError: simulated bug (traceback above); "
+                                 "run it again")
+    err = capfd.readouterr().err
+    assert "[rank 1] " in err and "Traceback" in err and "RuntimeError: simulated bug" in err, err
+    assert "[rank 0] " not in err, "rank 0 was stopped by rank 1's failure: that is not an error of its own"

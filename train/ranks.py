@@ -1,0 +1,72 @@
+"""Where a training runs: one process (`--device`), or one rank per device of this host (`--gpus`).
+
+`--gpus 0,2` (or `all`) starts one rank per GPU through `dflash_cache.launch`, the launcher extract
+starts its ranks with, which gives each rank exactly the environment torchrun gives its own: every
+rank then runs `trainer.train` as it does under torchrun, DDP over NCCL on GPUs and over gloo on
+CPUs. A `--gpus` that names one device (`cpu`, or `all` on a host with one GPU or none) runs in this
+process. Under torchrun the ranks are torchrun's, so `--gpus` is refused there; `--device` picks
+each rank's device as before. Rank 0's result line comes back through the launcher, to where a
+single process prints it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dflash_cache.devices import gpu_devices, torchrun_env
+from dflash_cache.errors import UserError
+from dflash_cache.launch import launch
+from dflash_cache.train import trainer
+from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.run_directory import EXPORT_DIR
+
+log = logging.getLogger(__name__)
+RESUME_HINT = "--resume continues from the last checkpoint"
+
+
+def run_training(cfg: TrainConfig, device: str = "auto", gpus: str | None = None,
+                 echo: Callable[[str], None] = log.info) -> None:
+    """The whole run, on `--device` in this process or on the devices `--gpus` names; `echo` shows
+    its result line (the CLI passes click.echo)."""
+    if gpus is None:
+        echo(result_line(cfg, trainer.train(cfg, device)))
+        return
+    if device != "auto":
+        raise UserError(f"--gpus {gpus} and --device {device} both say where to train: keep --gpus for one rank "
+                        "per device, or --device for one process")
+    if torchrun_env() is not None:
+        raise UserError("--gpus starts its own ranks, and torchrun started this one: drop --gpus (each torchrun rank "
+                        "trains on --device, by default its LOCAL_RANK's GPU)")
+    train_on(cfg, gpu_devices(gpus), gpus, echo)
+
+
+def train_on(cfg: TrainConfig, devices: list[torch.device], gpus: str,
+             echo: Callable[[str], None] = log.info) -> None:
+    """Train on `devices`: one runs in this process, several as one launched rank each (the same
+    device may repeat); either way `echo` is called here, in this process."""
+    if len(devices) == 1:
+        echo(result_line(cfg, trainer.train(cfg, str(devices[0]), gpus=gpus)))
+    else:
+        launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT)
+
+
+def train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device, echo: Callable[[str], None]) -> None:
+    """What each launched rank runs: torchrun's environment says its rank, `device` its device."""
+    last = trainer.train(cfg, str(device), gpus=gpus)
+    if int(os.environ.get("RANK", 0)) == 0:
+        echo(result_line(cfg, last))
+
+
+def result_line(cfg: TrainConfig, last: dict | None) -> str:
+    """What a finished run says: its last logged window and where it exported the drafter."""
+    export = Path(cfg.out) / EXPORT_DIR
+    if not last:
+        return f"nothing to train: {cfg.out} is already at its last step; exported to {export}"
+    shown = f"loss {last['loss']:.4f}, tau_hat {last['tau_hat']:.3f}" if last["loss"] is not None else \
+        "every step of the last window skipped (gradients not finite)"
+    return f"done: step {last['step']}, {shown}; exported to {export}"
