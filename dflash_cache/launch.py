@@ -13,9 +13,20 @@ directory only this launch uses; the parent raises the earliest report as `RankF
 UserError. Elastic's own failure logging, which would print tracebacks for user mistakes, is
 silenced while it runs (unless debug logging is on).
 
-Signals: elastic turns SIGINT/SIGTERM/SIGHUP/SIGQUIT in the parent into stopping the ranks. The
-parent's own handlers are put back afterwards and the signal raised again, so Ctrl-C still ends
-in KeyboardInterrupt. A signal this process ignores (SIGHUP under nohup) stays ignored.
+Signals: elastic turns SIGINT/SIGTERM/SIGHUP/SIGQUIT in the parent into stopping the ranks (SIGTERM,
+then SIGKILL after its shutdown timeout). The parent's own handlers are put back afterwards and the
+signal raised again, so Ctrl-C still ends in KeyboardInterrupt. A signal this process ignores (SIGHUP
+under nohup) stays ignored.
+
+Ranks that stop on their own at a signal, at a point of their choosing (training's, which save a
+checkpoint at the next step boundary), are launched with `interruptible=True`. A Ctrl-C already
+reaches them from the terminal, so elastic stopping them too would be a second signal, the one that
+means "stop at once". So the parent keeps SIGINT/SIGTERM/SIGHUP from elastic: the first one it gets
+it passes on to every rank as STOP_REQUEST, a signal a rank's handler takes as "stop" but never
+counts as a second one (a rank may have got the same Ctrl-C or group SIGTERM itself); the ranks
+then end as they choose, their return values coming back from `launch`. A second signal ends the
+ranks at once (SIGKILL) and `launch` raises KeyboardInterrupt, as it does when ranks ended on their
+own with exit status 130 (a second Ctrl-C that reached them).
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ from dflash_cache.logs import setup_logging
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what elastic would handle by default
+PASSED_ON = ("SIGINT", "SIGTERM", "SIGHUP")  # what the parent of interruptible ranks passes on, once
+STOP_REQUEST = signal.SIGUSR1  # how: "stop at your next chance", never counted as a second signal
+INTERRUPTED = 130  # the exit status of a rank that a KeyboardInterrupt ended
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
@@ -73,30 +87,80 @@ class Report:
 
 
 def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torch.device], *,
-           echo: Callable[[str], None] = log.info, crash_hint: str = "") -> None:
-    """Run `fn(*args, device=..., echo=...)` once per device, each in its own launched rank (fn and
-    args must pickle); the lines a rank echoes reach `echo` here.
+           echo: Callable[[str], None] = log.info, crash_hint: str = "", interruptible: bool = False) -> list[Any]:
+    """Run `fn(*args, device=..., echo=...)` once per device, each in its own launched rank (fn, args
+    and what fn returns must pickle); the lines a rank echoes reach `echo` here. Returns what each
+    rank's fn returned, in rank order.
 
     Raises RankFailed for the first rank that failed. `crash_hint` is appended when that was not a
-    UserError (a bug or a kill), to say what the user can do next."""
+    UserError (a bug or a kill), to say what the user can do next. `interruptible`: the ranks stop
+    themselves at a signal (see the module's doc); a run they were told to stop at once raises
+    KeyboardInterrupt."""
     handled = [name for name in STOP_SIGNALS if _handler(name) is not signal.SIG_IGN]
+    ours = [name for name in handled if name in PASSED_ON] if interruptible else []
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=len(devices), run_id=f"dflash-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", signals_to_handle=",".join(handled),
+        start_method="spawn", signals_to_handle=",".join(name for name in handled if name not in ours),
     )
     received = None
+    stop = _StopRequests(ours) if interruptible else None
     with (tempfile.TemporaryDirectory(prefix="dflash-ranks-") as tmp, _lines_to(echo) as lines,
           _parent_state_kept(handled)):
         try:
             level = logging.getLogger().getEffectiveLevel()
-            elastic_launch(config, _rank_main)(fn, args, list(devices), lines, tmp, level)
+            with stop or contextlib.nullcontext():
+                returned = elastic_launch(config, _rank_main)(fn, args, list(devices), lines, tmp, level,
+                                                               stop.event if stop else None)
         except ChildFailedError as e:
+            if stop is not None and stop.at_once(e, Path(tmp)):
+                raise KeyboardInterrupt from None
             raise _failure(e, Path(tmp), devices, crash_hint) from None
         except SignalException as e:
+            if stop is not None and e.sigval == signal.SIGKILL:  # our second signal: the ranks are gone
+                raise KeyboardInterrupt from None
             received = e.sigval
     if received is not None:  # the ranks are stopped and our handlers are back: react as we would have
         signal.raise_signal(received)
+    return [returned[rank] for rank in range(len(devices))]
+
+
+class _StopRequests:
+    """The parent's handler of the signals it passes on to interruptible ranks (`with` it while they
+    run): the first sets `event`, which each rank turns into a STOP_REQUEST to itself; the second has
+    elastic end the ranks at once."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.signals = [getattr(signal, name) for name in names]
+        self.event = multiprocessing.get_context("spawn").Event()
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.signals}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received += 1
+        name = signal.Signals(signum).name
+        if self.received == 1:
+            log.info("%s received: asking every rank to stop", name)
+            self.event.set()
+            return
+        log.warning("%s received again: stopping every rank at once", name)
+        raise SignalException(f"{name} received twice", sigval=signal.SIGKILL)  # elastic: SIGKILL them all
+
+    def at_once(self, error: ChildFailedError, reports: Path) -> bool:
+        """Whether the ranks that failed were interrupted at once (a second signal; ranks that stop at
+        a step boundary exit normally), rather than failing with something to report."""
+        if Report.read_all(reports):
+            return False
+        return self.received > 0 or error.get_first_failure()[1].exitcode == INTERRUPTED
 
 
 class _Lines:
@@ -132,22 +196,26 @@ def _lines_to(echo: Callable[[str], None]) -> Iterator[_Lines]:
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torch.device], echo: _Lines,
-               reports: str, log_level: int) -> None:
-    """A launched rank: the parent's logging with the rank in front, its device, a report if it fails."""
+               reports: str, log_level: int, stop: Any = None) -> Any:
+    """A launched rank: the parent's logging with the rank in front, its device, a report if it fails.
+    `stop`, for interruptible ranks: the parent's event, set when the ranks are asked to stop."""
     rank = int(os.environ["RANK"])
     setup_logging(log_level, prefix=f"[rank {rank}] ")
     signal.signal(signal.SIGINT, _interrupted)
+    if stop is not None:
+        signal.signal(STOP_REQUEST, _interrupted)  # until fn handles it: stopped before it began
+        threading.Thread(target=_request_stop_when, args=(stop,), name="stop-request", daemon=True).start()
     folder = Path(reports)
     device = devices[int(os.environ["LOCAL_RANK"])]
     try:
         # Ranks sharing the CPU split its free cores, instead of each spinning on all of them.
         use_free_cores(device, share=sum(d.type == "cpu" for d in devices))
-        fn(*args, device=device, echo=echo)
+        return fn(*args, device=device, echo=echo)
     except UserError as e:
         Report(rank, True, str(e), time.time()).write(folder)
         raise SystemExit(e.exit_code) from None
     except KeyboardInterrupt:  # the parent says so
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
     except Exception as e:
         if Report.read_all(folder):  # another rank failed first and took the collectives down with it
             log.debug("rank %d stopped after another rank failed: %s", rank, e)
@@ -159,10 +227,19 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
 
 
 def _interrupted(_signum: int, _frame: object) -> None:
-    """Ctrl-C reaches a rank twice, from the terminal and then from the parent stopping it: the
-    first one unwinds (finishing the segments being written), the second must not interrupt that."""
+    """Ctrl-C reaches a rank twice, from the terminal and then from the parent stopping it (or, for
+    an interruptible rank, passing it on): the first one unwinds (finishing the segments being
+    written), the second must not interrupt that."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(STOP_REQUEST, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _request_stop_when(stop: Any) -> None:
+    """Send this rank STOP_REQUEST once the parent sets `stop` (at once if it was set before the rank
+    started): what handles it here (the trainer's DeferredInterrupt) decides when to stop."""
+    stop.wait()
+    os.kill(os.getpid(), STOP_REQUEST)
 
 
 def _failure(error: ChildFailedError, reports: Path, devices: Sequence[torch.device], crash_hint: str) -> RankFailed:

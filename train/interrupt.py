@@ -5,6 +5,10 @@ anchor RNG advanced, some parameters updated, while the step counter still names
 A checkpoint taken then cannot resume bit-exactly. So while training runs, the first such signal
 only sets a flag: the trainer finishes the step in flight, saves at the step boundary and raises
 `TrainingInterrupted`. A second Ctrl-C interrupts at once, without saving.
+
+The launcher of `train --gpus` ranks passes a signal it gets on to them as a stop request
+(dflash_cache.launch.STOP_REQUEST, SIGUSR1): it asks for the same stop but never counts as the
+second signal, since the ranks may have got the same Ctrl-C (or a group's SIGTERM) themselves.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 import signal
 import threading
 from types import FrameType
+
+from dflash_cache.launch import STOP_REQUEST
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -58,7 +64,7 @@ class DeferredInterrupt:
             self._pipe = (read_end, write_end)
             self._previous_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
             threading.Thread(target=self._watch, args=(read_end,), name="dflash-interrupt", daemon=True).start()
-            for sig in SIGNALS:
+            for sig in (*SIGNALS, STOP_REQUEST):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -67,8 +73,9 @@ class DeferredInterrupt:
             self.signum = signum
 
     def _watch(self, read_end: int) -> None:
-        """The wakeup bytes, one per signal, as they arrive: say the first, end the process on the second."""
-        seen = 0
+        """The wakeup bytes, one per signal, as they arrive: say the first, end the process on the second
+        (a stop request is said if it comes first, and never counted)."""
+        seen, asked = 0, False  # signals counted; whether a stop request was said
         while True:
             try:
                 data = os.read(read_end, 64)
@@ -78,6 +85,11 @@ class DeferredInterrupt:
                 os.close(read_end)
                 return
             for signum in data:
+                if signum == STOP_REQUEST and not (seen or asked):
+                    asked = True
+                    self.signum = self.signum or signum
+                    log.warning("asked to stop (%s): finishing the current step, then saving a checkpoint",
+                                signal.Signals(signum).name)
                 if signum not in SIGNALS:
                     continue
                 seen += 1

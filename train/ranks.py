@@ -7,6 +7,12 @@ CPUs. A `--gpus` that names one device (`cpu`, or `all` on a host with one GPU o
 process. Under torchrun the ranks are torchrun's, so `--gpus` is refused there; `--device` picks
 each rank's device as before. Rank 0's result line comes back through the launcher, to where a
 single process prints it.
+
+A Ctrl-C or SIGTERM stops the ranks as it stops one process: the launcher starts them interruptible
+(dflash_cache.launch), so each rank's first signal stops it at the step boundary the ranks agree on,
+where rank 0 saves a checkpoint; a rank then returns where it stopped instead of raising, and this
+process raises `TrainingInterrupted` for it. (A rank that exited with it would make the launcher stop
+the others, mid-way through their own ending.) A second signal stops every rank at once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dflash_cache.devices import gpu_devices, torchrun_env
 from dflash_cache.errors import UserError
 from dflash_cache.launch import launch
 from dflash_cache.train import trainer
+from dflash_cache.train.interrupt import TrainingInterrupted
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.run_directory import EXPORT_DIR
 
@@ -52,14 +59,22 @@ def train_on(cfg: TrainConfig, devices: list[torch.device], gpus: str,
     if len(devices) == 1:
         echo(result_line(cfg, trainer.train(cfg, str(devices[0]), gpus=gpus)))
     else:
-        launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT)
+        stopped = launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT, interruptible=True)[0]
+        if stopped is not None:
+            raise TrainingInterrupted(*stopped)
 
 
-def train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device, echo: Callable[[str], None]) -> None:
-    """What each launched rank runs: torchrun's environment says its rank, `device` its device."""
-    last = trainer.train(cfg, str(device), gpus=gpus)
+def train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device,
+               echo: Callable[[str], None]) -> tuple[int, str | None] | None:
+    """What each launched rank runs: torchrun's environment says its rank, `device` its device.
+    Returns None when the run ended, or the step and checkpoint where a signal stopped it."""
+    try:
+        last = trainer.train(cfg, str(device), gpus=gpus)
+    except TrainingInterrupted as e:
+        return e.step, e.checkpoint
     if int(os.environ.get("RANK", 0)) == 0:
         echo(result_line(cfg, last))
+    return None
 
 
 def result_line(cfg: TrainConfig, last: dict | None) -> str:

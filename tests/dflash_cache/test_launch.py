@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_cache.errors import UserError
-from dflash_cache.launch import RankFailed, launch
+from dflash_cache.launch import STOP_REQUEST, RankFailed, launch
 
 TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
 Echo = Callable[[str], None]
@@ -74,3 +74,30 @@ def test_an_unexpected_exception_shows_its_traceback_then_one_line(capfd):
     err = capfd.readouterr().err
     assert "[rank 1] " in err and "Traceback" in err and "RuntimeError: simulated bug" in err, err
     assert "[rank 0] " not in err, "rank 0 was stopped by rank 1's failure: that is not an error of its own"
+
+
+def wait_to_be_asked(*, device: torch.device, echo: Echo) -> int:
+    """An interruptible rank that says it is ready, then runs until asked to stop; returns its rank."""
+    asked = []
+    signal.signal(STOP_REQUEST, lambda signum, _frame: asked.append(signum))
+    echo("ready")
+    deadline = time.time() + 30
+    while not asked and time.time() < deadline:
+        time.sleep(0.01)
+    assert asked == [STOP_REQUEST], asked  # no SIGTERM from elastic either: that would have ended this rank
+    return int(os.environ["RANK"])
+
+
+def test_interruptible_ranks_are_asked_to_stop_once_and_what_they_return_comes_back():
+    """A SIGTERM to the parent of interruptible ranks is not elastic's to act on (it would end them):
+    each rank gets one stop request, ends as it chooses, and launch returns what each returned."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    said = []
+
+    def echo(line: str) -> None:
+        said.append(line)
+        if said.count("ready") == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    assert launch(wait_to_be_asked, (), TWO_CPUS, echo=echo, interruptible=True) == [0, 1]
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
