@@ -33,7 +33,7 @@ from bench.common import (
     start_logging_and_device,
 )
 from bench.extract import build_model, qwen3_8b_config, synthetic_rows
-from bench.train import LAYER_IDS, shapes, sync, timed_steps
+from bench.train import LAYER_IDS, Timing, shapes, sync, timed_steps
 from dflash_cache.data.dataset import from_table
 from dflash_cache.data.planning import make_plan
 from dflash_cache.extract.pipeline import RankExtractor
@@ -44,11 +44,12 @@ from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.target.capture import HiddenStateCapture
 from dflash_cache.target.model import decoder_of
-from dflash_cache.train.assemble import source_config
+from dflash_cache.train.assemble import Parts, source_config
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.drafter import FrozenTargetHead
 from dflash_cache.train.epoch_plan import Position
-from dflash_cache.train.live_source import LiveSource, live_sample_table
+from dflash_cache.train.live_source import LiveData, LiveSource, LiveTargets, live_sample_table
+from dflash_cache.train.place import Place
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer
 
@@ -95,9 +96,9 @@ def main() -> None:
 
     def live_source(profiler: StageProfiler) -> LiveSource:
         cfg = TrainConfig(cache="x", out=str(out / "live"), **cfg_kw)
-        return LiveSource(dataset=data, table=table, config=source_config(cfg), captures=[capture],
-                          target_devices=[device], device=device, max_len=None, overlong="truncate", queue_depth=args.queue_depth,
-                          profiler=profiler)
+        return LiveSource(LiveData(data, table, DEFAULT_BUCKETS), source_config(cfg),
+                          LiveTargets([capture], [device], queue_depth=args.queue_depth),
+                          Place(device, profiler=profiler))
 
     # target only
     src = live_source(StageProfiler(None))
@@ -116,19 +117,19 @@ def main() -> None:
     # drafter only, on batches resident on the GPU
     resident = [b for _, b in itertools.islice(live_source(StageProfiler(None)).iterate(Position(0, 0)), args.steps)]
     profiler = StageProfiler(10**9)
-    trainer = Trainer(TrainConfig(cache="x", out=str(out / "resident"), **cfg_kw), source=live_source(profiler),
-                      drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
-    timed_steps(trainer, iter(resident[:2]), 2, device)  # warm-up (FlexAttention compile)
-    sec, tok = timed_steps(trainer, iter(resident), args.steps, device)
+    trainer = Trainer(TrainConfig(cache="x", out=str(out / "resident"), **cfg_kw),
+                      Parts(live_source(profiler), drafter_cfg, head), Place(device, profiler=profiler))
+    timed_steps(trainer.runner, iter(resident[:2]), 2, device)  # warm-up (FlexAttention compile)
+    sec, tok = _rate(timed_steps(trainer.runner, iter(resident), args.steps, device))
     results["rates"]["drafter_only"] = tok / sec
     del resident
     release_cached(device)
 
     # live: the same trainer fed by the live source
     live_batches = (b for _, b in trainer.source.iterate(Position(0, 0)))
-    timed_steps(trainer, live_batches, 2, device)
+    timed_steps(trainer.runner, live_batches, 2, device)
     profiler.maybe_report(force=True)
-    sec, tok = timed_steps(trainer, live_batches, args.steps, device)
+    sec, tok = _rate(timed_steps(trainer.runner, live_batches, args.steps, device))
     results["rates"]["live"] = tok / sec
     results["live_profile"] = profiler.maybe_report(force=True)
     live_batches.close()  # stops the target worker before extraction takes the GPU
@@ -185,12 +186,18 @@ def _train_from_cache(root, plan, layer_ids, tcfg, cfg_kw, drafter_cfg, head, de
         num_segments=len(plan.batches), num_samples=plan.num_samples, num_tokens=plan.num_tokens))
     cfg = TrainConfig(cache=str(root), out=str(out / "offline"), **cfg_kw)
     profiler = StageProfiler(None)
-    source = CacheSource(CacheReader(root), source_config(cfg), device=device, profiler=profiler)
-    trainer = Trainer(cfg, source=source, drafter_cfg=drafter_cfg, head=head, device=device, profiler=profiler)
+    place = Place(device, profiler=profiler)
+    source = CacheSource(CacheReader(root), source_config(cfg), place)
+    trainer = Trainer(cfg, Parts(source, drafter_cfg, head), place)
     batches = (b for _, b in source.iterate(Position(0, 0)))
-    timed_steps(trainer, batches, 2, device)
-    sec, tok = timed_steps(trainer, batches, steps, device)
+    timed_steps(trainer.runner, batches, 2, device)
+    sec, tok = _rate(timed_steps(trainer.runner, batches, steps, device))
     return tok / sec
+
+
+def _rate(timing: Timing) -> tuple[float, int]:
+    """(seconds, tokens) of timed steps, in steady state."""
+    return timing.seconds, timing.tokens
 
 
 if __name__ == "__main__":

@@ -20,15 +20,16 @@ from unittest import mock
 
 import torch
 
-import dflash_cache.train.trainer
+import dflash_cache.train.step
 from bench.common import add_common_args, bench_drafter_config, start_logging_and_device
 from bench.train import LAYER_IDS, add_drafter_arg, shapes, stepping, write_cache
 from dflash_cache.store.reader import CacheReader
-from dflash_cache.train.assemble import source_config
+from dflash_cache.train.assemble import Parts, source_config
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.drafter import FrozenTargetHead
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.memory import GIB, step_memory
+from dflash_cache.train.place import Place
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.trainer import Trainer
 
@@ -40,8 +41,8 @@ POINTS = ((12288, 1024), (12288, 2048), (24576, 1024), (32768, 1536), (32768, 25
 def make_trainer(cache: Path, out: Path, drafter_cfg, head, device, **kw) -> Trainer:
     cfg = TrainConfig(cache=str(cache), out=str(out), target="synthetic", block_size=drafter_cfg.block_size,
                       draft_layers=drafter_cfg.num_layers, max_steps=10**9, progress=False, **kw)
-    source = CacheSource(CacheReader(cache), source_config(cfg), device=device)
-    return Trainer(cfg, source=source, drafter_cfg=drafter_cfg, head=head, device=device)
+    source = CacheSource(CacheReader(cache), source_config(cfg), Place(device))
+    return Trainer(cfg, Parts(source, drafter_cfg, head), Place(device))
 
 
 def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int]:
@@ -50,7 +51,7 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     anchors = tokens = 0
-    real_sample = dflash_cache.train.trainer.sample_anchors
+    real_sample = dflash_cache.train.step.sample_anchors
 
     def counting(batch, **kw):
         nonlocal anchors, tokens
@@ -59,8 +60,8 @@ def peak_of_steps(trainer: Trainer, steps: int, device) -> tuple[float, int, int
         return blocks
 
     batches = (batch for _, batch in itertools.islice(trainer.source.iterate(Position(0, 0)), steps))
-    with mock.patch("dflash_cache.train.trainer.sample_anchors", counting):  # the largest step the points reached
-        for _ in stepping(trainer, batches):  # as `train` steps: the next batch prepared during a step
+    with mock.patch("dflash_cache.train.step.sample_anchors", counting):  # the largest step the points reached
+        for _ in stepping(trainer.runner, batches):  # as `train` steps: the next batch prepared during a step
             pass
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -97,7 +98,7 @@ def main() -> None:
         trainer = make_trainer(cache, out / "run", drafter_cfg, head, device, token_budget=budget,
                                max_anchors=anchors)
         peak, used, tokens = peak_of_steps(trainer, args.steps, device)
-        model = step_memory(drafter_cfg, device, compiled=trainer.compiled)
+        model = step_memory(drafter_cfg, device, compiled=trainer.runner.compiled)
         predicted = model.bytes(used, block, tokens) / GIB
         rows.append({"token_budget": budget, "anchors": used, "context_tokens": tokens, "peak_gib": peak,
                      "predicted_gib": predicted, "ratio": peak / predicted if peak else None})
@@ -115,10 +116,10 @@ def main() -> None:
         trainer = make_trainer(cache, out / "run-defaults", drafter_cfg, head, device)
         try:
             peak, used, tokens = peak_of_steps(trainer, args.steps + 2, device)
-            defaults = {"fits": True, "peak_gib": peak, "anchor_cap": trainer.max_anchors, "anchors": used,
+            defaults = {"fits": True, "peak_gib": peak, "anchor_cap": trainer.runner.max_anchors, "anchors": used,
                         "context_tokens": tokens}
         except torch.OutOfMemoryError as e:
-            defaults = {"fits": False, "anchor_cap": trainer.max_anchors, "error": str(e).splitlines()[0]}
+            defaults = {"fits": False, "anchor_cap": trainer.runner.max_anchors, "error": str(e).splitlines()[0]}
         print(f"defaults on an emulated {args.emulate_gib:.0f} GiB GPU: {defaults}", flush=True)
     print("\n| token budget | anchors | context tokens | peak GiB | model GiB | peak / model |\n|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -16,7 +16,8 @@ import argparse
 import torch
 
 from bench.common import bench_drafter_config, start_logging_and_device, timed
-from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS, TritonAdamW
+from bench.variants import LaunchedAdamW
+from dflash_cache.train.adamw_kernel import BLOCK, NUM_WARPS
 from dflash_cache.train.drafter import init_drafter
 from dflash_cache.train.optim import BETAS, EPS, param_groups, total_grad_norm
 from dflash_cache.train.precision import linear_weights
@@ -43,7 +44,7 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     print(f"{device}: {len(params)} parameters, {n / 1e9:.3f}B elements", flush=True)
-    opt = TritonAdamW(param_groups(model, 0.01), lr=1e-4, betas=BETAS, eps=EPS)
+    opt = LaunchedAdamW(param_groups(model, 0.01), lr=1e-4, betas=BETAS, eps=EPS)
     opt.lower_precision(linear_weights(model))
     g = torch.Generator(device=device).manual_seed(0)
     for p in params:

@@ -47,6 +47,14 @@ from bench.common import (
 )
 from bench.gpu_clocks import ClockSampler, describe
 from bench.seeds_mix import prompt_lengths, seeds_mix_lengths
+from bench.variants import (
+    compile_with_options,
+    compiled_state,
+    every_row_flops,
+    register_loss_kernels,
+    set_compiled_state,
+    use_every_row,
+)
 from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch
 from dflash_cache.store.codecs import get_codec
@@ -56,17 +64,18 @@ from dflash_cache.store.plan import PlannedBatch
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.writer import commit_segment
 from dflash_cache.train.anchors import sample_anchors
-from dflash_cache.train.assemble import source_config
+from dflash_cache.train.assemble import Parts, source_config
 from dflash_cache.train.attention_kernels import flash_flex_attention
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.drafter import FrozenTargetHead
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.flops import StepFlops, step_flops
-from dflash_cache.train.loss import LOSS_KERNELS
 from dflash_cache.train.memory import ALLOC_CONF_VARS, prefer_expandable_segments
 from dflash_cache.train.optim import drafter_optimizer, load_optimizer_state
+from dflash_cache.train.place import Place
 from dflash_cache.train.precision import Precision
 from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.step import StepRunner
 from dflash_cache.train.trainer import Trainer
 
 LAYER_IDS = (1, 9, 17, 25, 33)
@@ -157,36 +166,38 @@ def write_cache(root: Path, codec: str, *, tokens: int, seq: int, hidden: int, v
 
 
 def mean_step_flops(cfg, batches: list, *, num_anchors: int, max_anchors: int | None,
-                    fewer_rows: bool = True) -> StepFlops:
+                    every_row: bool = False) -> StepFlops:
     """The model FLOPs of a step averaged over `batches`, with anchors drawn as the trainer draws them
-    (other draws: the same counts, slightly other positions)."""
+    (other draws: the same counts, slightly other positions); `every_row`: of the drafter on every
+    row (bench.variants.use_every_row)."""
     g = torch.Generator().manual_seed(0)
     parts = []
     for batch in batches:
         blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=num_anchors, max_anchors=max_anchors,
                                 mask_token_id=cfg.mask_token_id, generator=g)
-        parts.append(step_flops(cfg, context_tokens=batch.num_tokens, num_blocks=blocks.num_anchors,
-                                prefix_keys=blocks.prefix_keys, fewer_rows=fewer_rows))
+        parts.append((every_row_flops if every_row else step_flops)(
+            cfg, context_tokens=batch.num_tokens, num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys))
     return StepFlops(*(sum(getattr(f, k) for f in parts) / len(parts) for k in ("linears", "attention", "lm_head")))
 
 
 def set_precision(trainer: Trainer, precision: Precision) -> bool:
-    """Carry on training `trainer` at `precision`: the same weights (bf16 ones from their masters) and
+    """Carry on training `trainer`'s drafter at `precision`: the same weights (bf16 ones from their masters) and
     AdamW state, the other optimizer (torch's fused AdamW over float32 weights, or TritonAdamW with
     masters). The compiled graphs compile again (~45 s): their guards do not see a parameter's dtype
     change, so dynamo is reset. The bench runs this variant last in each round."""
-    if precision == trainer.precision:
+    drafter = trainer.drafter  # what the step runner steps
+    if precision == drafter.precision:
         return False
     torch._dynamo.reset()
-    old = trainer.optimizer
+    old = drafter.optimizer
     with torch.no_grad():
         for p, master in getattr(old, "master_weights", dict)().items():
             p.data = master.clone()  # float32 again, the master's value
-    hparams = dict(lr=old.defaults["lr"], weight_decay=old.defaults["weight_decay"], device=trainer.device)
-    new = drafter_optimizer(trainer.model, **hparams, precision=precision)  # lowers the weights for masters
+    hparams = dict(lr=old.defaults["lr"], weight_decay=old.defaults["weight_decay"], device=trainer.place.device)
+    new = drafter_optimizer(drafter.model, **hparams, precision=precision)  # lowers the weights for masters
     load_optimizer_state(new, old.state_dict())  # moments, step counts, learning rates
-    trainer.optimizer = trainer.scheduler.optimizer = new
-    trainer.precision = precision
+    drafter.optimizer = drafter.schedule.scheduler.optimizer = new
+    drafter.precision = precision
     return True
 
 
@@ -204,23 +215,23 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_steps(trainer: Trainer, batches, steps: int, device) -> None:
+def run_steps(runner: StepRunner, batches, steps: int, device) -> None:
     """`steps` untimed steps (compiles, a reader pool filling its prefetch window), then a sync."""
-    for _ in stepping(trainer, itertools.islice(batches, steps)):
+    for _ in stepping(runner, itertools.islice(batches, steps)):
         pass
     sync(device)
 
 
-def stepping(trainer: Trainer, batches, lookahead: bool = True):
-    """Each batch's step, as `dflash-cache train` takes them (Trainer.train_steps: the next batch's
+def stepping(runner: StepRunner, batches, lookahead: bool = True):
+    """Each batch's step, as `dflash-cache train` takes them (StepRunner.train_steps: the next batch's
     anchors and masks prepared while a step is queued on the device), yielding the batch after its
     step; without `lookahead`, one batch at a time (train_step prepares its own first), as before
     2026-12-04."""
     if lookahead:
-        yield from (batch for _, batch, _ in trainer.train_steps((None, b) for b in batches))
+        yield from (batch for _, batch, _ in runner.train_steps((None, b) for b in batches))
         return
     for batch in batches:
-        trainer.train_step(batch)
+        runner.train_step(batch)
         yield batch
 
 
@@ -233,19 +244,19 @@ class Timing:
     flops: float = 0.0  # model FLOPs of the timed steps (their real anchors: padding is not counted)
 
 
-def count_flops(trainer: Trainer) -> list[float]:
-    """The model FLOPs of every step the trainer takes from now on, appended to the returned list."""
-    log, add = [], trainer.profiler.add_flops
+def count_flops(runner: StepRunner) -> list[float]:
+    """The model FLOPs of every step the runner takes from now on, appended to the returned list."""
+    log, add = [], runner.profiler.add_flops
 
     def counting(n: float) -> None:
         log.append(n)
         add(n)
 
-    trainer.profiler.add_flops = counting
+    runner.profiler.add_flops = counting
     return log
 
 
-def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int = 0,
+def timed_steps(runner: StepRunner, batches, steps: int, device, sync_every: int = 0,
                 lookahead: bool = True, flop_log: list[float] | None = None) -> Timing:
     """`steps` steps after one untimed lead-in step, with no synchronisation in between.
 
@@ -261,17 +272,17 @@ def timed_steps(trainer: Trainer, batches, steps: int, device, sync_every: int =
     `lookahead` as in `stepping`."""
     sync(device)
     t0 = time.perf_counter()
-    steps_run = stepping(trainer, itertools.islice(batches, steps + 1), lookahead)
+    steps_run = stepping(runner, itertools.islice(batches, steps + 1), lookahead)
     lead_in = next(steps_run)
     counted = len(flop_log) if flop_log is not None else 0
-    trainer.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
+    runner.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
     cuda = device.type == "cuda"
     start = torch.cuda.Event(enable_timing=True) if cuda else None
     if cuda:
         start.record()
     t1, tokens = time.perf_counter(), 0
     for i, batch in enumerate(steps_run, start=1):
-        trainer.profiler.add_tokens(batch.num_tokens)
+        runner.profiler.add_tokens(batch.num_tokens)
         tokens += batch.num_tokens
         if sync_every and i % sync_every == 0 and i < steps:
             sync(device)
@@ -318,8 +329,8 @@ def main() -> None:
                          "rows; the trainer's is 4096): fewer, larger products against more logits memory")
     ap.add_argument("--loss-kernels", default="",
                     help="also time the resident batches with these LM-head loss chunk kernels (comma-separated "
-                         "names from dflash_cache.train.loss.LOSS_KERNELS, or one-read: bench/one_read_loss.py; the "
-                         "trainer's is triton)")
+                         "names from dflash_cache.train.loss.LOSS_KERNELS, or bench/variants.py's inductor and "
+                         "one-read: bench/one_read_loss.py; the trainer's is triton)")
     ap.add_argument("--attention-kernels", default="",
                     help="also time the resident batches with the static graph's FlexAttention lowered another "
                          "way: 'triton' (inductor's template), 'flash' (flash-attention 4's kernels; needs the "
@@ -391,7 +402,7 @@ def main() -> None:
                     min_seq=args.min_seq, lengths=kind)
         print(f"wrote {name} cache in {time.perf_counter() - t0:.1f}s", flush=True)
         cfg = TrainConfig(cache=str(root), out=str(out / f"run-{name}"), **cfg_kw)
-        sources[name] = CacheSource(CacheReader(root), source_config(cfg), device=device)
+        sources[name] = CacheSource(CacheReader(root), source_config(cfg), Place(device))
         source_steps[name] = sources[name].batches_per_epoch() if args.epoch_steps and kind == "seeds" else args.steps
     # One trainer (one drafter, one optimiser) steps through every source in turn, so the
     # measurements differ only in where the batches come from; its static shapes are planned from the
@@ -399,85 +410,81 @@ def main() -> None:
     first_name = next(iter(sources))
     profiler = StageProfiler(10**9)  # the trainer sets its peak FLOP/s: reports give MFU
     trainer = Trainer(TrainConfig(cache=str(out / f"cache-{first_name}"), out=str(out / "run"), **cfg_kw),
-                      source=sources[first_name], drafter_cfg=drafter_cfg, head=head, device=device,
-                      profiler=profiler)
+                      Parts(sources[first_name], drafter_cfg, head), Place(device, profiler=profiler))
+    runner = trainer.runner  # the step, which every measurement times
     for source in sources.values():
         source.profiler = profiler
-    flop_log = count_flops(trainer)
+    flop_log = count_flops(runner)
     first = sources[first_name]
     t0 = time.perf_counter()
-    compile_s = trainer.warm_up()
-    planned = trainer.shapes.describe() if trainer.shapes is not None else None
+    compile_s = runner.warm_up()
+    planned = runner.shapes.describe() if runner.shapes is not None else None
     print(f"start-up: static shapes ({planned}) compiled in {compile_s:.1f}s", flush=True)
-    run_steps(trainer, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
+    run_steps(runner, (b for _, b in first.iterate(Position(0, 0))), args.warmup, device)
     print(f"warm-up ({args.warmup} steps after the start-up): {time.perf_counter() - t0:.1f}s", flush=True)
     # the batches the cache runs see, decoded and held on the GPU (no I/O at all)
     # (one more than the timed steps: the lead-in of timed_steps)
     resident = [] if args.no_resident else \
         [b for _, b in itertools.islice(first.iterate(Position(0, 0)), args.steps + 1)]
     measured = resident[1:] or [b for _, b in itertools.islice(first.iterate(Position(0, 0)), 8)]
-    flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors, max_anchors=trainer.max_anchors)
-    every_row_flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors,
-                                      max_anchors=trainer.max_anchors, fewer_rows=False)
+    flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors, max_anchors=runner.max_anchors)
+    all_rows_flops = mean_step_flops(drafter_cfg, measured, num_anchors=args.num_anchors,
+                                     max_anchors=runner.max_anchors, every_row=True)
     print(f"model FLOPs per step, mean of the timed batches: {flops.total / 1e12:.1f} T (linears "
           f"{flops.linears / 1e12:.1f}, attention {flops.attention / 1e12:.1f}, LM head {flops.lm_head / 1e12:.1f}; "
-          f"{every_row_flops.total / 1e12:.1f} T on every row); peak {(trainer.profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; compiled: {trainer.compiled}; attention kernels: {trainer.attention_kernels}", flush=True)
+          f"{all_rows_flops.total / 1e12:.1f} T on every row); peak {(profiler.peak_flops or 0) / 1e12:.0f} TFLOP/s; "
+          f"compiled: {runner.compiled}; attention kernels: {runner.attention_kernels}", flush=True)
 
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "drafter": "small" if args.small else args.drafter, "steps": args.steps,
-                     "token_budget": args.token_budget, "compiled": trainer.compiled,
-                     "attention_kernels": trainer.attention_kernels,
+                     "token_budget": args.token_budget, "compiled": runner.compiled,
+                     "attention_kernels": runner.attention_kernels,
                      "max_autotune": args.max_autotune, "compile_options": args.compile_options,
                      "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ},
-                     "step_tflops": flops.total / 1e12, "step_tflops_every_row": every_row_flops.total / 1e12,
+                     "step_tflops": flops.total / 1e12, "step_tflops_every_row": all_rows_flops.total / 1e12,
                      "lengths": args.lengths, "startup_s": compile_s, "static_shapes": planned, "runs": {}}
-    static_shapes = trainer.shapes
+    static_shapes = runner.shapes
     compare = args.compare_dynamic and static_shapes is not None
     if compare:
-        trainer.shapes = None
+        runner.shapes = None
         t0 = time.perf_counter()
-        run_steps(trainer, iter(resident), 3, device)
+        run_steps(runner, iter(resident), 3, device)
         print(f"warm-up of the dynamic-shape graph: {time.perf_counter() - t0:.1f}s", flush=True)
-    default_cfg, default_kernel = trainer.cfg, trainer.loss_kernel
+    default_cfg, default_kernel = runner.cfg, runner.loss_kernel
     chunk_runs = {f"resident-loss-chunk-{n}": int(n) for n in args.loss_chunks.split(",") if n}
     kernel_runs = {f"resident-loss-{k}": k for k in args.loss_kernels.split(",") if k}
-    if "one-read" in kernel_runs.values():  # the experiment of bench/one_read_loss.py, by the name the trainer takes
-        from bench.one_read_loss import logits_loss_and_grad_one_read
-
-        LOSS_KERNELS["one-read"] = lambda: logits_loss_and_grad_one_read
+    register_loss_kernels()  # "inductor" and "one-read", by the names the runner takes
     attention_runs = {f"resident-attention-{k}": ATTENTION_FNS[k] for k in args.attention_kernels.split(",") if k}
-    default_attention = trainer.model.static_flex_attention_fn
-    model = trainer.model
-    runners = {"default": (model._dynamic_runners, model._static_runners, model._compile_options)}
+    model = runner.model
+    default_attention = model.static_flex_attention_fn
+    runners = {"default": compiled_state(model)}
     option_runs = {}
     blas_runs = {f"resident-{args.blas}": args.blas} if args.blas else {}
-    row_runs = {"resident-full-rows": False} if args.compare_full_rows else {}
+    row_runs = {"resident-full-rows": True} if args.compare_full_rows else {}
     one_at_a_time = {f"{src}-no-lookahead" for src in ("resident", first_name)} if args.compare_no_lookahead else set()
     k = args.compare_sync_every
     sync_runs = {f"{src}-sync-every-{k}": src for src in ("resident", first_name)} if k else {}
     precision_runs = {"resident-fp32-weights": Precision(autocast=True, master_weights=False)} \
         if args.compare_fp32_weights else {}
-    default_precision = trainer.precision
+    default_precision = trainer.drafter.precision
     default_blas = torch.backends.cuda.preferred_blas_library() if device.type == "cuda" else None
-    if args.compile_options and trainer.compiled:
-        model.compile_layers(options={k: ast.literal_eval(v) for k, v in
-                                      (kv.split("=", 1) for kv in args.compile_options.split(","))})
-        option_runs["resident-compile-options"] = (model._dynamic_runners, model._static_runners,
-                                                   model._compile_options)
-        model._dynamic_runners, model._static_runners, model._compile_options = runners["default"]
+    if args.compile_options and runner.compiled:
+        compile_with_options(model, {k: ast.literal_eval(v) for k, v in
+                                     (kv.split("=", 1) for kv in args.compile_options.split(","))})
+        option_runs["resident-compile-options"] = compiled_state(model)
+        set_compiled_state(model, runners["default"])
     resident_runs = [] if args.no_resident else \
         ["resident", *(["resident-dynamic"] if compare else []), *chunk_runs, *kernel_runs, *attention_runs,
          *option_runs, *blas_runs, *row_runs]
     for rnd in range(args.rounds):
         for name in [*resident_runs, *sources, *sync_runs, *sorted(one_at_a_time), *precision_runs]:
-            trainer.shapes = None if name == "resident-dynamic" else static_shapes
-            trainer.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
+            runner.shapes = None if name == "resident-dynamic" else static_shapes
+            runner.cfg = dataclasses.replace(default_cfg, loss_chunk=chunk_runs[name]) if name in chunk_runs \
                 else default_cfg
-            trainer.loss_kernel = kernel_runs.get(name, default_kernel)
-            trainer.model.static_flex_attention_fn = attention_runs.get(name, default_attention)
-            model._dynamic_runners, model._static_runners, model._compile_options = \
-                option_runs.get(name, runners["default"])
-            trainer.fewer_rows = row_runs.get(name, True)
+            runner.loss_kernel = kernel_runs.get(name, default_kernel)
+            model.static_flex_attention_fn = attention_runs.get(name, default_attention)
+            set_compiled_state(model, option_runs.get(name, runners["default"]))
+            use_every_row(runner, row_runs.get(name, False))
             switched = set_precision(trainer, precision_runs.get(name, default_precision))
             if default_blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas_runs.get(name, default_blas))
@@ -486,31 +493,31 @@ def main() -> None:
                 if switched or name in {**chunk_runs, **kernel_runs, **attention_runs, **option_runs,
                                         **row_runs, **precision_runs} and rnd == 0:
                     # compiles: not timed
-                    run_steps(trainer, iter(resident), 2, device)
+                    run_steps(runner, iter(resident), 2, device)
                     print(f"{name}: {counters['stats']['unique_graphs']} graphs compiled so far", flush=True)
                 batches, startup, dropped = iter(resident), 0.0, None
             else:
                 dropped = drop_page_cache()
                 batches = (b for _, b in sources[source].iterate(Position(0, 0)))
                 t0 = time.perf_counter()
-                run_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+                run_steps(runner, batches, 2, device)  # the reader pool fills its prefetch window
                 startup = time.perf_counter() - t0
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             profiler.maybe_report(force=True)  # a fresh window for this measurement
             steps = source_steps.get(source, args.steps)
-            static_before = trainer.static_steps
-            trainer.shape_record.window_fields()  # padding counted from here
+            static_before = runner.shape_record.compiled_steps
+            runner.shape_record.window_fields()  # padding counted from here
             with ClockSampler(device) as clocks:
-                timing = timed_steps(trainer, batches, steps, device, sync_every=k if name in sync_runs else 0,
+                timing = timed_steps(runner, batches, steps, device, sync_every=k if name in sync_runs else 0,
                                      lookahead=name not in one_at_a_time, flop_log=flop_log)
-            padding = trainer.shape_record.window_fields()
+            padding = runner.shape_record.window_fields()
             sec, tok = timing.seconds, timing.tokens
             report = profiler.maybe_report(force=True)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
-            static = trainer.static_steps - static_before
-            peak_flops = trainer.profiler.peak_flops
+            static = runner.shape_record.compiled_steps - static_before
+            peak_flops = profiler.peak_flops
             run = {"tok_s": tok / sec, "s_per_step": sec / steps, "steps": steps,
                    "mfu": timing.flops / sec / peak_flops if peak_flops else None, "padding": padding,
                    "tok_s_with_fill": timing.with_fill_tokens / timing.with_fill_seconds,
@@ -529,7 +536,7 @@ def main() -> None:
     base = [r["tok_s"] for r in results["runs"][base_name]]
     print(f"\n{results['device']}, {args.rounds} rounds, token budget {args.token_budget}; ratios against "
           f"{base_name}; MFU counts the real anchors' work (padding is not)")
-    peak_flops = trainer.profiler.peak_flops
+    peak_flops = profiler.peak_flops
     print("tok/s and s/step in steady state (device time after a lead-in step); 'with fill': sync to sync, the "
           "lead-in step and its pipeline fill included")
     print(f"| source | steps | tok/s per round | s/step | MFU | anchor padding | ratio vs {base_name} (same round) | "
@@ -537,7 +544,7 @@ def main() -> None:
     for name, runs in results["runs"].items():
         rates = " / ".join(f"{r['tok_s']:,.0f}" for r in runs)
         steps = " / ".join(f"{r['s_per_step']:.3f}" for r in runs)
-        run_flops = every_row_flops if name in row_runs else flops  # each path's MFU counts its own work
+        run_flops = all_rows_flops if name in row_runs else flops  # each path's MFU counts its own work
         mfu = " / ".join(f"{(r['mfu'] if r['mfu'] else run_flops.total / r['s_per_step'] / peak_flops):.1%}"
                          if peak_flops else "-" for r in runs)
         pads = " / ".join(f"{r['padding'].get('anchor_padding', 0):.1%}" for r in runs)
@@ -550,21 +557,21 @@ def main() -> None:
               f"({max(r['peak_reserved_gib'] for r in runs):.1f}) |")
     if args.trace:
         if set_precision(trainer, default_precision):
-            run_steps(trainer, iter(resident), 2, device)  # compiles: not traced
+            run_steps(runner, iter(resident), 2, device)  # compiles: not traced
         if args.trace_source == "resident":
             traced = resident[:args.trace]
         else:
             drop_page_cache()
             batches = (b for _, b in sources[args.trace_source].iterate(Position(0, 0)))
-            run_steps(trainer, batches, 2, device)  # the reader pool fills its prefetch window
+            run_steps(runner, batches, 2, device)  # the reader pool fills its prefetch window
             traced = batches
-        results["trace"] = trace_steps(trainer, itertools.islice(traced, args.trace), device)
+        results["trace"] = trace_steps(runner, itertools.islice(traced, args.trace), device)
         results["trace"]["source"] = args.trace_source
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def trace_steps(trainer: Trainer, batches, device) -> dict:
+def trace_steps(runner: StepRunner, batches, device) -> dict:
     """Kernel-level view of a few steps: where device time goes, which host calls wait for the
     device, and how busy the device is between the first and the last kernel."""
     from torch.profiler import ProfilerActivity, profile
@@ -575,7 +582,7 @@ def trace_steps(trainer: Trainer, batches, device) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for batch in batches:
-            trainer.train_step(batch)
+            runner.train_step(batch)
             steps += 1
         sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3

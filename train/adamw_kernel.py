@@ -96,17 +96,16 @@ class TritonAdamW(torch.optim.AdamW):
     `lower_precision` made them so; gradients have the weight's dtype. A `grad_scale` attribute set
     before `step` divides every gradient as it is read (what `clipped_step` sets for the clip), as
     torch's fused AdamW divides by it, and a nonzero `found_inf` (a device tensor) makes the step
-    write nothing, as there. Unlike torch's, the step count (kept on the host) still advances then. `block` and `num_warps` are the kernel's launch settings
-    (elements per program, warps per program: what bench/optimizer.py compares); `block` None is
-    BLOCK on a GPU and INTERPRETER_BLOCK under the interpreter."""
+    write nothing, as there. Unlike torch's, the step count (kept on the host) still advances then.
+    The kernel runs BLOCK elements a program on a GPU (INTERPRETER_BLOCK under the interpreter) with
+    NUM_WARPS warps (`_launch`)."""
 
     _step_supports_amp_scaling = True  # step() honours grad_scale (clipped_step asks this)
 
-    def __init__(self, params, *, block: int | None = None, num_warps: int = NUM_WARPS, **kwargs) -> None:
+    def __init__(self, params, **kwargs) -> None:
         if kwargs.get("amsgrad") or kwargs.get("maximize"):
             raise ValueError("TritonAdamW implements plain AdamW (no amsgrad, no maximize)")
         super().__init__(params, **{**kwargs, "foreach": False, "fused": False})
-        self.block, self.num_warps = block, num_warps
         self._masters: dict[torch.Tensor, torch.Tensor] = {}  # bf16 parameter -> its float32 value
 
     @torch.no_grad()
@@ -154,7 +153,7 @@ class TritonAdamW(torch.optim.AdamW):
         interpret = require_triton(_WHO, "use torch.optim.AdamW")
         divisor = getattr(self, "grad_scale", None)
         skip = getattr(self, "found_inf", None)
-        block = self.block or (INTERPRETER_BLOCK if interpret else BLOCK)
+        block, num_warps = self._launch(interpret)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -183,8 +182,12 @@ class TritonAdamW(torch.optim.AdamW):
                         group["lr"] / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
                         HAS_DIVISOR=divisor is not None, HAS_SKIP=skip is not None, HAS_MASTER=master is not None,
                         BLOCK=block,
-                        num_warps=self.num_warps)
+                        num_warps=num_warps)
         return loss
+
+    def _launch(self, interpret: bool) -> tuple[int, int]:
+        """The kernel's launch settings: elements and warps per program."""
+        return (INTERPRETER_BLOCK if interpret else BLOCK), NUM_WARPS
 
 
 def triton_cdiv(a: int, b: int) -> int:

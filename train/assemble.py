@@ -14,11 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dflash_cache.data.chat import ChatSpec
-from dflash_cache.data.dataset import TokenizedDataset
 from dflash_cache.data.inputs import check_context, open_data
 from dflash_cache.devices import parse_gpus
 from dflash_cache.errors import UserError
-from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
@@ -27,8 +25,9 @@ from dflash_cache.target.model import TargetDescription, TargetSpec, describe_ta
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import FrozenTargetHead
-from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
-from dflash_cache.train.live_source import LiveSource, live_sample_table
+from dflash_cache.train.epoch_plan import SourceConfig
+from dflash_cache.train.live_source import LiveData, LiveSource, LiveTargets, live_sample_table
+from dflash_cache.train.place import Place
 
 if TYPE_CHECKING:
     from dflash_cache.train.run_config import TrainConfig
@@ -38,10 +37,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Parts:
+    """What a trainer is built from: its source, the drafter's shape and the target's frozen head."""
+
     source: CacheSource | LiveSource
     drafter_cfg: DrafterConfig
     head: FrozenTargetHead
-    target: TargetIdentity  # what the drafter is trained for (its export records it)
+    target: TargetIdentity | None = None  # what the drafter is trained for (its export records it)
 
 
 def source_config(cfg: TrainConfig) -> SourceConfig:
@@ -75,7 +76,7 @@ def open_cache(location: str, *, allow_incomplete: bool) -> CacheReader:
     return reader
 
 
-def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
+def cache_parts(cfg: TrainConfig, place: Place) -> Parts:
     reader = open_cache(cfg.cache, allow_incomplete=cfg.allow_incomplete)
     m = reader.manifest
     target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
@@ -83,8 +84,8 @@ def cache_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, p
     check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
                    hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
                    weights_fingerprint=target.identity.weights_fingerprint, target=target.identity)
-    source = CacheSource(reader, source_config(cfg), device=device, rank=rank, world=world, profiler=profiler)
-    return Parts(source, *_drafter_and_head(cfg, target, device), target.identity)
+    source = CacheSource(reader, source_config(cfg), place)
+    return Parts(source, *_drafter_and_head(cfg, target, place.device), target.identity)
 
 
 def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int = 1) -> list[torch.device]:
@@ -103,34 +104,33 @@ def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int =
 
 
 def live_dataset(cfg: TrainConfig, data: str, limit: int | None, *, vocab_size: int,
-                 max_context: int | None) -> tuple[TokenizedDataset, SampleTable]:
+                 max_context: int | None) -> LiveData:
     """A dataset the live target runs on (--data, or a held-out --eval-data): its rows under --max-len,
     checked against the target's context, and the sample table a cache of it would hold."""
     live = cfg.live
     dataset = open_data(data, limit, ChatSpec(cfg.target, live.chat_template, cfg.trust_remote_code))
     scan = dataset.scan(vocab_size=vocab_size, max_len=live.max_len, overlong=live.overlong)
     check_context(scan.lengths, max_context, dataset)
-    return dataset, live_sample_table(scan, DEFAULT_BUCKETS)
+    return LiveData(dataset, live_sample_table(scan, DEFAULT_BUCKETS), DEFAULT_BUCKETS, max_len=live.max_len,
+                    overlong=live.overlong)
 
 
-def live_parts(cfg: TrainConfig, device: torch.device, rank: int, world: int, profiler: StageProfiler) -> Parts:
+def live_parts(cfg: TrainConfig, place: Place) -> Parts:
     live = cfg.live
     target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
-    dataset, table = live_dataset(cfg, live.data, live.limit, vocab_size=target.identity.vocab_size,
-                                  max_context=target.max_context)
-    devices = target_devices(live.target_gpus, device, rank, world)
+    data = live_dataset(cfg, live.data, live.limit, vocab_size=target.identity.vocab_size,
+                        max_context=target.max_context)
+    devices = target_devices(live.target_gpus, place.device, place.rank, place.world)
     captures = [HiddenStateCapture(load_target(target, d), target.layer_ids) for d in devices]
     tee = None
     if live.write_cache:
         from dflash_cache.train.tee import CacheTee
 
-        tee = CacheTee(out=live.write_cache, codec=live.write_codec, target=target,
-                       dataset=dataset, table=table, source_config=source_config(cfg),
-                       bucket_bounds=DEFAULT_BUCKETS, max_len=live.max_len, overlong=live.overlong,
-                       rank=rank, world=world)
-    source = LiveSource(dataset=dataset, table=table, config=source_config(cfg), captures=captures,
-                        target_devices=devices, device=device, max_len=live.max_len, overlong=live.overlong,
-                        forward_plan=PlanConfig(token_budget=live.forward_token_budget, max_rows=live.forward_max_rows),
-                        queue_depth=live.queue_depth, rank=rank, world=world, profiler=profiler, tee=tee)
-    return Parts(source, *_drafter_and_head(cfg, target, device), target.identity)
+        tee = CacheTee(live.write_cache, live.write_codec, target=target, data=data, source_config=source_config(cfg),
+                       place=place)
+    targets = LiveTargets(captures, devices, queue_depth=live.queue_depth,
+                          forward_plan=PlanConfig(token_budget=live.forward_token_budget,
+                                                  max_rows=live.forward_max_rows))
+    source = LiveSource(data, source_config(cfg), targets, place, tee=tee)
+    return Parts(source, *_drafter_and_head(cfg, target, place.device), target.identity)

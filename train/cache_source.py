@@ -21,40 +21,32 @@ import numpy as np
 import torch
 
 from dflash_cache.errors import UserError
-from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import HostBatch, PackedBatch, concatenate
 from dflash_cache.store.codecs import numpy_to_torch
 from dflash_cache.store.manifest import Manifest, TargetIdentity
 from dflash_cache.store.reader import CacheReader
-from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
+from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig
+from dflash_cache.train.place import Place
+from dflash_cache.train.source import PlannedSource
 
 log = logging.getLogger(__name__)
 
 
-class CacheSource:
-    """Yields (Position after this batch, PackedBatch on `device`) for one rank."""
+class CacheSource(PlannedSource):
+    """Yields (Position after this batch, PackedBatch on `place.device`) for one rank (a `Source`).
+    With `config.max_batches` (a held-out evaluation's share), nothing past them is read ahead."""
 
-    def __init__(self, reader: CacheReader, config: SourceConfig, *, device: torch.device, rank: int = 0,
-                 world: int = 1, profiler: StageProfiler | None = None, max_batches: int | None = None) -> None:
-        """`max_batches`: this rank's batches of an epoch at most (a held-out evaluation's), so that
-        nothing past them is read ahead."""
-        self.reader, self.config, self.device = reader, config, device
-        self.rank, self.world, self.max_batches = rank, world, max_batches
-        self.profiler = profiler or StageProfiler(None)
+    def __init__(self, reader: CacheReader, config: SourceConfig, place: Place) -> None:
+        self.reader = reader
         index = reader.index
-        self.table, order = SampleTable.sorted(*(index.column(c).to_numpy()
-                                                 for c in ("sample_id", "length", "supervised", "bucket")))
+        table, order = SampleTable.sorted(*(index.column(c).to_numpy()
+                                            for c in ("sample_id", "length", "supervised", "bucket")))
+        super().__init__(table, config, place)
         self._segment = index.column("segment").to_numpy(zero_copy_only=False)[order]
         self._offset = index.column("row_offset").to_numpy()[order]
         self._feature_keys = list(reader.codec.arrays(reader.manifest.n_layers, reader.manifest.hidden_size))
-        self.cuda = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world, start)[:self.max_batches]
-
-    def longest_sample(self) -> int:
-        return int(self.table.lengths.max(initial=0))
+        self.cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     def identity(self) -> dict[str, str]:
         """What a resumed run must find again: the same samples in the same stored form."""
@@ -64,13 +56,10 @@ class CacheSource:
     def close(self) -> None:
         """Nothing to release: reader threads live only while `iterate` runs."""
 
-    def batches_per_epoch(self) -> int:
-        return len(self.epoch_batches(0))
-
     def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
         """From `start` on, epoch after epoch (forever if `epochs` is None). Reads run `prefetch`
         batches ahead across epoch boundaries too, so a new epoch starts without a bubble."""
-        planned = self._planned(start, epochs)
+        planned = self.planned(start, epochs)
         pending: deque[tuple[Position, Future]] = deque()
         with ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="dflash-cache-read") as pool:
             def refill() -> None:
@@ -83,17 +72,6 @@ class CacheSource:
                 position, fut = pending.popleft()
                 refill()
                 yield position, self._to_device(fut.result())
-
-    def _planned(self, start: Position, epochs: int | None) -> Iterator[tuple[Position, np.ndarray]]:
-        """(position after the batch, its rows) of this rank from the global position `start` on."""
-        epoch, first = start.epoch, start.batch
-        while epochs is None or epoch < epochs:
-            plan = self.epoch_batches(epoch, first)
-            if not plan and first == 0:  # every epoch plans the same number of batches: none ever
-                return
-            for i, rows in enumerate(plan):
-                yield position_after(epoch, first, i, self.world), rows
-            epoch, first = epoch + 1, 0
 
     def _read_host(self, rows: np.ndarray) -> _HostRead:
         """Read one batch's samples (stored dtypes) and lay them end to end, on a reader thread."""

@@ -120,14 +120,27 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(done, key=lambda p: p.name, reverse=True)
 
 
+def last_checkpoint(directory: Path) -> str:
+    """Which checkpoint a run stopped with an error can go back to, as a message says it."""
+    found = list_checkpoints(directory)
+    return f"the last checkpoint is {found[0]}" if found else "no checkpoint was written yet"
+
+
 def save_checkpoint(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: TrainerState, rng: dict[str, torch.Tensor], keep: int = 2) -> Path:
-    """Write, fsync and rename a checkpoint into place, then keep only the newest `keep`. A write
-    that fails (a full disk) removes what it wrote and is a UserError; the checkpoints before stay."""
+    """`save_files` with the drafter's and the optimizer's tensors (`drafter_tensors`) and `rng`."""
+    return save_files(directory, {**drafter_tensors(model, optimizer), "rng.safetensors": rng}, state=state, keep=keep)
+
+
+def save_files(directory: Path, tensors: dict[str, dict[str, torch.Tensor]], *, state: TrainerState,
+               keep: int = 2) -> Path:
+    """Write the TENSOR_FILES (`tensors`, by file name) and the state file, fsync and rename the
+    checkpoint into place, then keep only the newest `keep`. A write that fails (a full disk) removes
+    what it wrote and is a UserError; the checkpoints before stay."""
     final = directory / f"{_PREFIX}{state.step:07d}"
     tmp = directory / f"{_TMP_PREFIX}{state.step:07d}"
     try:
-        _write(tmp, model=model, optimizer=optimizer, state=state, rng=rng)
+        _write(tmp, tensors=tensors, state=state)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         found = list_checkpoints(directory)
@@ -154,18 +167,22 @@ def _remove(path: Path, aside: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _write(tmp: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-           rng: dict[str, torch.Tensor]) -> None:
+def drafter_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """drafter.safetensors (float32 weights: the optimizer's masters of bf16 ones) and
+    optimizer.safetensors (AdamW moments, flattened by parameter name), on the host."""
     names = _names_in_optimizer_order(model, optimizer)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {
+    return {
         "drafter.safetensors": {k: v.detach().cpu().contiguous()
                                 for k, v in _full_precision_state(model, optimizer).items()},
         "optimizer.safetensors": _optimizer_tensors(optimizer, names),
-        "rng.safetensors": {k: v.cpu().contiguous() for k, v in rng.items()},
     }
-    for name, content in tensors.items():
+
+
+def _write(tmp: Path, *, tensors: dict[str, dict[str, torch.Tensor]], state: TrainerState) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in TENSOR_FILES:
+        content = {k: v.cpu().contiguous() for k, v in tensors[name].items()}
         try:
             save_file(content, tmp / name)
         except SafetensorError as e:  # its I/O errors (a full disk) are OSErrors by another name
@@ -224,9 +241,10 @@ def read_tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], state: TrainerState, *, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Load model and optimizer state from `read_tensors`' result; returns the RNG tensors."""
+def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], hparams: list[dict[str, Any]], *,
+                  model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load model and optimizer state from `read_tensors`' result (or `drafter_tensors`') and the
+    optimizer's hyper-parameters (`optimizer_hparams`)."""
     try:
         model.load_state_dict(tensors["drafter.safetensors"])
     except RuntimeError as e:
@@ -239,10 +257,9 @@ def apply_tensors(tensors: dict[str, dict[str, torch.Tensor]], state: TrainerSta
         entries = {k.split("::", 1)[1]: v for k, v in flat.items() if k.split("::", 1)[0] == name}
         if entries:
             opt_state[idx] = {k: (v if k == "step" else v.to(device)) for k, v in entries.items()}
-    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in state.optimizer_hparams]
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in hparams]
     load_optimizer_state(optimizer, {"state": opt_state, "param_groups": groups})
     _load_masters(model, optimizer, tensors["drafter.safetensors"])
-    return tensors["rng.safetensors"]
 
 
 def optimizer_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

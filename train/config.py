@@ -109,18 +109,17 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config, target_layer_ids, *, num_layers: int = 5, block_size: int = 16,
-                    mask_token_id: int | None = None, sliding_window: int | None = None,
-                    layer_types=None) -> DrafterConfig:
+                    mask_token_id: int | None = None, sliding_window: int | None = None) -> DrafterConfig:
         """A drafter for a Qwen3-like target: same width, heads, eps, RoPE base and vocabulary.
 
         `target_config` may be a multimodal wrapper's: sizes come from its text config.
 
-        `layer_types` defaults to all "sliding_attention" when a `sliding_window` is given (one mask
-        kind per step, and what vLLM serves without mixing cache groups), else all "full_attention";
+        Every layer is "sliding_attention" when a `sliding_window` is given (one mask kind per step,
+        and what vLLM serves without mixing cache groups), else "full_attention" (a mix of them:
+        `dataclasses.replace(cfg, layer_types=...)`, checked as the constructor checks them);
         `mask_token_id` defaults to an unused embedding row.
         """
-        if layer_types is None:
-            layer_types = (FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION,) * num_layers
+        layer_types = (FULL_ATTENTION if sliding_window is None else SLIDING_ATTENTION,) * num_layers
         c = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
         hidden = int(c.hidden_size)
         heads = int(c.num_attention_heads)

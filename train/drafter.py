@@ -264,7 +264,6 @@ class DFlashDrafter(nn.Module):
         # compile_layers' graphs: (layer, fuse-context, final-norm) for any shape, and per static shape.
         self._dynamic_runners: tuple | None = None
         self._static_runners: dict[tuple[int, int], tuple] = {}
-        self._compile_options: dict = {}
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -272,19 +271,15 @@ class DFlashDrafter(nn.Module):
         bf16 linear weights: dflash_cache.train.precision)."""
         return self.norm.weight.dtype
 
-    def compile_layers(self, options: dict | None = None, attention_kernels: str = "triton") -> None:
+    def compile_layers(self, attention_kernels: str = "triton") -> None:
         """Run the layers through torch.compile: norms, RoPE, the MLP's gate and the residual adds fuse
         into a few kernels in forward and backward, and FlexAttention is traced inside the layer.
         A graph per static shape (`forward(static=True)`, see `dflash_cache.train.static_shapes`),
         each built on the first call of that shape (its own code objects: `_own_copy`), and one
         dynamic-shape graph for any shape (`static=False`). Weights and state-dict keys are unchanged.
-        `options`: inductor settings for these graphs (what bench/train.py compares).
         `attention_kernels`: 'triton' or 'flash', what FlexAttention lowers to in the static-shape
         graphs (`dflash_cache.train.attention_kernels`; the dynamic one always runs Triton's)."""
-        self._compile_options = dict(options or {})
-        dynamic = {**self._compile_options, **dynamic_shape_options()}
-        self._dynamic_runners = tuple(torch.compile(_own_copy(fn), dynamic=True, options=dynamic)
-                                      for fn in (_run_layer, _fuse_context, _final_norm))
+        self._dynamic_runners = tuple(self._graph(fn, dynamic=True) for fn in (_run_layer, _fuse_context, _final_norm))
         self._static_runners = {}
         self.flex_attention_fn = flex_attention
         self.static_flex_attention_fn = static_flex_attention(attention_kernels)
@@ -292,6 +287,11 @@ class DFlashDrafter(nn.Module):
     @property
     def compiled(self) -> bool:
         return self._dynamic_runners is not None
+
+    def _graph(self, fn: Callable, *, dynamic: bool) -> Callable:
+        """`fn` (a copy of its own: `_own_copy`) under torch.compile: a graph for any shape
+        (`dynamic`, with `dynamic_shape_options`) or for the shape it is first called with."""
+        return torch.compile(_own_copy(fn), dynamic=dynamic, options=dynamic_shape_options() if dynamic else {})
 
     def _runners(self, static: bool, eager: bool, shape: tuple[int, int]) -> tuple[tuple, Callable]:
         """(layer, fuse-context and final-norm functions, FlexAttention) for a call: plain ones
@@ -305,8 +305,7 @@ class DFlashDrafter(nn.Module):
         runners = self._static_runners.get(shape)
         if runners is None:
             runners = self._static_runners[shape] = tuple(
-                torch.compile(_own_copy(fn), dynamic=False, options=self._compile_options)
-                for fn in (_run_layer, _fuse_context, _final_norm))
+                self._graph(fn, dynamic=False) for fn in (_run_layer, _fuse_context, _final_norm))
         return runners, self.static_flex_attention_fn
 
     def forward(self, features: torch.Tensor, ctx_positions: torch.Tensor, block_embeds: torch.Tensor,

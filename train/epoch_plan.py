@@ -26,6 +26,7 @@ class SourceConfig:
     seed: int = 0
     prefetch: int = 4
     read_threads: int = 4
+    max_batches: int | None = None  # a rank's batches of an epoch at most (a held-out evaluation's share)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.prefetch < 1 or self.read_threads < 1:

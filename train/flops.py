@@ -59,21 +59,32 @@ class StepFlops:
         return self.linears + self.attention + self.lm_head
 
 
-def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, prefix_keys: int,
-               fewer_rows: bool = True) -> StepFlops:
-    """The FLOPs of a step over `context_tokens` context tokens and `num_blocks` blocks whose anchors'
-    positions sum to `prefix_keys` (see `Blocks.prefix_keys`); `fewer_rows` False counts the drafter
-    on every row (`Trainer.fewer_rows`)."""
-    h, d, b = cfg.hidden_size, cfg.head_dim, cfg.block_size
-    t, q = context_tokens, num_blocks * b
+def linear_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, first_rows: int,
+                 last_rows: int) -> float:
+    """The FLOPs of the drafter's linears in a step over `context_tokens` context tokens and
+    `num_blocks` blocks: `fc` on the context, and each layer's projections and MLP on the block rows,
+    the first layer's query, key and value projections on `first_rows` of them and the last layer's
+    output projection and MLP on `last_rows` (`step_flops` says how many the trainer runs)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    t, q = context_tokens, num_blocks * cfg.block_size
     q_width, kv_width = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     last = cfg.num_layers - 1
     linears = 2 * (2 * t * cfg.num_target_layers * h * h)
     for i in range(cfg.num_layers):
-        rows_in = num_blocks + 1 if i == 0 and fewer_rows else q  # rows through the blocks' q/k/v projections
-        rows_out = num_blocks * (b - 1) if i == last and fewer_rows else q  # rows through o and the MLP
+        rows_in = first_rows if i == 0 else q  # rows through the blocks' q/k/v projections
+        rows_out = last_rows if i == last else q  # rows through o and the MLP
         linears += 3 * (2 * rows_in * h * q_width + 2 * (t + rows_in) * h * kv_width * 2
                         + 2 * rows_out * h * q_width + 2 * rows_out * h * cfg.intermediate_size * 3)
+    return float(linears)
+
+
+def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, prefix_keys: int) -> StepFlops:
+    """The FLOPs of a step over `context_tokens` context tokens and `num_blocks` blocks whose anchors'
+    positions sum to `prefix_keys` (see `Blocks.prefix_keys`)."""
+    d, b = cfg.head_dim, cfg.block_size
+    q = num_blocks * b
+    linears = linear_flops(cfg, context_tokens=context_tokens, num_blocks=num_blocks, first_rows=num_blocks + 1,
+                           last_rows=num_blocks * (b - 1))
     attention = 0.0
     for layer_type in cfg.layer_types:
         if layer_type == FULL_ATTENTION:
@@ -81,8 +92,8 @@ def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, pref
         else:  # sliding: each query sees at most the window, fewer near a document's start
             pairs = min(b * prefix_keys + num_blocks * b * b, q * (cfg.sliding_window or 0))
         attention += 3 * 2 * 2 * pairs * d * cfg.num_attention_heads
-    lm_head = 2 * 2 * num_blocks * (b - 1) * h * cfg.vocab_size
-    return StepFlops(linears=float(linears), attention=float(attention), lm_head=float(lm_head))
+    lm_head = 2 * 2 * num_blocks * (b - 1) * cfg.hidden_size * cfg.vocab_size
+    return StepFlops(linears=linears, attention=float(attention), lm_head=float(lm_head))
 
 
-__all__ = ["PEAK_BF16_FLOPS", "StepFlops", "device_peak_flops", "step_flops"]
+__all__ = ["PEAK_BF16_FLOPS", "StepFlops", "device_peak_flops", "linear_flops", "step_flops"]

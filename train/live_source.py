@@ -21,10 +21,11 @@ can start live and continue offline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ from dflash_cache.store.batch import HostBatch, PackedBatch
 from dflash_cache.store.plan import PlanConfig
 from dflash_cache.target.capture import ForwardInputs, HiddenStateCapture
 from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig, position_after
+from dflash_cache.train.place import Place
+from dflash_cache.train.source import PlannedSource
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_DEPTH = 60
@@ -51,6 +54,33 @@ def live_sample_table(scan: DatasetScan, bucket_bounds: tuple[int, ...]) -> Samp
     return table
 
 
+@dataclass(frozen=True)
+class LiveData:
+    """The dataset a live run reads: its rows under `max_len` (`overlong` says what a longer one
+    becomes), and the sample table a cache of it would hold, bucketed by `bucket_bounds`."""
+
+    dataset: TokenizedDataset
+    table: SampleTable
+    bucket_bounds: tuple[int, ...]
+    max_len: int | None = None
+    overlong: str = "truncate"
+
+
+@dataclass(frozen=True)
+class LiveTargets:
+    """The target copies that compute the features, one worker each on `devices[k]`, and how they
+    run: forward batches planned under `forward_plan`, at most `queue_depth` batches made ahead."""
+
+    captures: list[HiddenStateCapture]
+    devices: list[torch.device]
+    forward_plan: PlanConfig = field(default_factory=PlanConfig)
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+
+    def __post_init__(self) -> None:
+        if len(self.captures) != len(self.devices) or not self.captures:
+            raise ValueError("one capture per target device")
+
+
 @dataclass
 class _Made:
     index: int
@@ -58,41 +88,20 @@ class _Made:
     ready: torch.cuda.Event | None
 
 
-class LiveSource:
-    """Yields (Position after this batch, PackedBatch on `device`), like CacheSource."""
+class LiveSource(PlannedSource):
+    """Yields (Position after this batch, PackedBatch on `place.device`), like CacheSource (a `Source`).
+    `tee`, if any, is handed each batch of epoch 0 (`--write-cache`)."""
 
-    def __init__(self, *, dataset: TokenizedDataset, table: SampleTable, config: SourceConfig,
-                 captures: list[HiddenStateCapture], target_devices: list[torch.device], device: torch.device,
-                 max_len: int | None, overlong: str, forward_plan: PlanConfig | None = None,
-                 queue_depth: int = DEFAULT_QUEUE_DEPTH, rank: int = 0,
-                 world: int = 1, profiler: StageProfiler | None = None,
-                 tee: Callable[[int, PackedBatch, torch.cuda.Event | None], None] | None = None,
-                 max_batches: int | None = None) -> None:
-        """`max_batches`: this rank's batches of an epoch at most (a held-out evaluation's)."""
-        if len(captures) != len(target_devices) or not captures:
-            raise ValueError("one capture per target device")
-        self.dataset, self.table, self.config, self.max_batches = dataset, table, config, max_batches
-        self.captures, self.target_devices, self.device = captures, target_devices, device
-        self.max_len, self.overlong, self.queue_depth = max_len, overlong, queue_depth
-        self.forward_plan = forward_plan or PlanConfig()
-        self.rank, self.world = rank, world
-        self.profiler = profiler or StageProfiler(None)
+    def __init__(self, data: LiveData, config: SourceConfig, targets: LiveTargets, place: Place,
+                 tee: Callable[[int, PackedBatch, torch.cuda.Event | None], None] | None = None) -> None:
+        super().__init__(data.table, config, place)
+        self.data, self.dataset, self.targets = data, data.dataset, targets
         self.tee = tee
 
-    def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
-        return self.table.epoch(self.config, epoch, self.rank, self.world, start)[:self.max_batches]
-
-    def for_dataset(self, dataset: TokenizedDataset, table: SampleTable, config: SourceConfig,
-                    max_batches: int | None = None) -> LiveSource:
+    def for_dataset(self, data: LiveData, config: SourceConfig) -> LiveSource:
         """A source of another dataset through this one's loaded targets (held-out batches): the
-        captures take one forward at a time, so both can run; no tee."""
-        return LiveSource(dataset=dataset, table=table, config=config, captures=self.captures,
-                          target_devices=self.target_devices, device=self.device, max_len=self.max_len,
-                          overlong=self.overlong, forward_plan=self.forward_plan, queue_depth=self.queue_depth,
-                          rank=self.rank, world=self.world, max_batches=max_batches)
-
-    def longest_sample(self) -> int:
-        return int(self.table.lengths.max(initial=0))
+        captures take one forward at a time, so both can run; no tee, no profiler."""
+        return LiveSource(data, config, self.targets, dataclasses.replace(self.place, profiler=StageProfiler(None)))
 
     def identity(self) -> dict[str, str]:
         """What a resumed run must find again: the same samples of the same dataset."""
@@ -102,9 +111,6 @@ class LiveSource:
         """Wait for the tee's writes and index the cache it made."""
         if self.tee is not None:
             self.tee.close()
-
-    def batches_per_epoch(self) -> int:
-        return len(self.epoch_batches(0))
 
     def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
         epoch, first = start.epoch, start.batch
@@ -124,9 +130,9 @@ class LiveSource:
             epoch, first = epoch + 1, 0
 
     def _run_epoch(self, plan: list[np.ndarray]) -> Iterator[tuple[int, _Made]]:
-        n = len(self.captures)
+        n = len(self.targets.captures)
         jobs = list(range(len(plan)))
-        workers = [Producer(functools.partial(self._made, k, plan, jobs[k::n]), depth=self.queue_depth // n,
+        workers = [Producer(functools.partial(self._made, k, plan, jobs[k::n]), depth=self.targets.queue_depth // n,
                             name=f"dflash-target-{k}") for k in range(n)]
         try:
             for j, i in enumerate(jobs):
@@ -134,7 +140,7 @@ class LiveSource:
                 try:
                     made = workers[k].next()
                 except Exception as e:
-                    raise UserError(f"target worker on {self.target_devices[k]} failed: {type(e).__name__}: "
+                    raise UserError(f"target worker on {self.targets.devices[k]} failed: {type(e).__name__}: "
                                     f"{e}") from e
                 yield i, made
         finally:
@@ -143,23 +149,23 @@ class LiveSource:
 
     def _made(self, k: int, plan: list[np.ndarray], jobs: list[int]) -> Iterator[_Made]:
         """Target worker k's batches, in order (on its producer thread, on its own CUDA stream)."""
-        device = self.target_devices[k]
+        device = self.targets.devices[k]
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for i in jobs:
-            yield self._make(i, plan[i], self.captures[k], device, stream)
+            yield self._make(i, plan[i], self.targets.captures[k], device, stream)
 
     def _make(self, i: int, positions: np.ndarray, capture: HiddenStateCapture, device: torch.device,
               stream: torch.cuda.Stream | None) -> _Made:
         sample_ids = self.table.sample_ids[positions]
         lengths = self.table.lengths[positions]
         with self.profiler.span("target.read_rows"):
-            rows = [self.dataset.read_rows(int(r), int(r) + 1, max_len=self.max_len, overlong=self.overlong)[0]
-                    for r in sample_ids]
+            rows = [self.dataset.read_rows(int(r), int(r) + 1, max_len=self.data.max_len,
+                                           overlong=self.data.overlong)[0] for r in sample_ids]
         packed = HostBatch.pack([r.input_ids for r in rows], [r.loss_mask for r in rows], sample_ids)
         # The target runs the batch in forward batches planned exactly as extraction plans them
         # (length-sorted, under its token budget and row cap), so its memory stays bounded and, with
         # the same settings, each sample sees the same forward shapes as in a cache.
-        forwards = plan_unit(0, 0, lengths, np.ones(len(rows), bool), self.forward_plan)
+        forwards = plan_unit(0, 0, lengths, np.ones(len(rows), bool), self.targets.forward_plan)
         offsets = packed.cu_seqlens
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             parts, order = [], []

@@ -3,7 +3,6 @@ per-slot acceptance statistics derived from it."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,19 +36,12 @@ def logits_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, weights: to
     return loss_sum, correct, probs.to(logits.dtype)
 
 
-@functools.cache
-def compiled_logits_loss_and_grad() -> Callable:
-    """`logits_loss_and_grad` under torch.compile, built once per process (dynamic chunk rows)."""
-    return torch.compile(logits_loss_and_grad, dynamic=True)
-
-
 # How a chunk's logits become its loss, argmax and gradient: "torch" runs `logits_loss_and_grad`
-# (any device); "inductor" compiles it (one generated reduction kernel per chunk); "triton" is the
-# hand-written two-pass kernel, which also writes the gradient over the logits (GPUs; the trainer's
-# default there).
+# (any device; the trainer's with --no-compile); "triton" is the hand-written two-pass kernel, which
+# also writes the gradient over the logits (GPUs; the trainer's default there). The kernels it was
+# chosen over are bench/variants.py's.
 LOSS_KERNELS: dict[str, Callable[[], Callable]] = {
     "torch": lambda: logits_loss_and_grad,
-    "inductor": compiled_logits_loss_and_grad,
     "triton": lambda: logits_loss_and_grad_triton,
 }
 
@@ -73,7 +65,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
     """Forward computes the loss and, chunk by chunk, the gradient wrt `hidden`; backward only scales it.
 
     Peak extra memory: one chunk's [chunk_size, V] logits (with the "torch" kernel also their float32
-    softmax; "inductor" also their gradient), and grad_hidden [M, H]. The two matrix products run in
+    softmax), and grad_hidden [M, H]. The two matrix products run in
     the head's dtype (bf16 on the GPU: tensor cores, float32 accumulation) and the softmax in float32;
     a float32 head keeps everything float32.
     """

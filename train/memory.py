@@ -52,7 +52,7 @@ LOSS_FP32_PER_QUERY = 4     # x H: final norm output and its gradient (the LM he
 FEATURE_BYTES = 2           # bf16 features, N x H per context token
 # Copies of a batch's features alive during a step: the batch's own and its copy padded to the static
 # shape, and the same two of the next batch, prepared while the step's backward is queued
-# (Trainer.train_steps).
+# (StepRunner.train_steps).
 FEATURE_COPIES = 4
 
 

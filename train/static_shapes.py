@@ -125,7 +125,7 @@ class ShapeBuckets:
 
     def shape_for(self, context_tokens: int, anchors: int) -> Shape | None:
         """The smallest shape that holds a batch of this many context tokens and anchors; None if
-        none does (more anchors than any planned batch can draw: see `Trainer.prepare_step`)."""
+        none does (more anchors than any planned batch can draw: see `StepRunner.prepare_step`)."""
         i = bisect.bisect_left(self.anchors, max(anchors, 1))
         if context_tokens > self.context_rows or i == len(self.anchors):
             return None

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.data.dataset import TokenizedDataset
 from dflash_cache.data.inputs import build_manifest
 from dflash_cache.errors import UserError
 from dflash_cache.store.batch import HostBatch, PackedBatch
@@ -33,6 +32,8 @@ from dflash_cache.store.segments import read_records
 from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create
 from dflash_cache.target.model import TargetDescription
 from dflash_cache.train.epoch_plan import SampleTable, SourceConfig
+from dflash_cache.train.live_source import LiveData
+from dflash_cache.train.place import Place
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,11 @@ def epoch0_plan(table: SampleTable, config: SourceConfig, bucket_bounds: tuple[i
 class CacheTee:
     """Callable the live source hands each epoch-0 batch to; `close()` waits for the writes."""
 
-    def __init__(self, *, out: str, codec: str, target: TargetDescription, dataset: TokenizedDataset,
-                 table: SampleTable, source_config: SourceConfig, bucket_bounds: tuple[int, ...],
-                 max_len: int | None, overlong: str, rank: int, world: int) -> None:
+    def __init__(self, out: str, codec: str, *, target: TargetDescription, data: LiveData,
+                 source_config: SourceConfig, place: Place) -> None:
+        """Epoch 0 of `data` as `source_config` plans it for `place.world` processes, written by each
+        (rank `place.rank`) into the cache at `out` in `codec`."""
+        rank, world = place.rank, place.world
         if is_url(out):
             raise UserError(f"--write-cache {out}: the live run writes its cache to a local directory only; write "
                             "it there (and copy it up), or make the cache with dflash-cache extract --out URL")
@@ -65,8 +68,9 @@ class CacheTee:
         self.codec = get_codec(codec)
         self.n_layers = len(target.layer_ids)
         self.specs = self.codec.arrays(self.n_layers, target.hidden_size)
-        self.plan = epoch0_plan(table, source_config, bucket_bounds, world)
-        manifest = build_manifest(target, dataset, self.plan, codec=codec, max_len=max_len, overlong=overlong)
+        self.plan = epoch0_plan(data.table, source_config, data.bucket_bounds, world)
+        manifest = build_manifest(target, data.dataset, self.plan, codec=codec, max_len=data.max_len,
+                                  overlong=data.overlong)
         self._lock = CacheLock(self.root, name=f".lock-rank{rank}")
         self._lock.__enter__()
         self.committed = open_or_create(self.root, manifest, self.plan) if rank == 0 else set()

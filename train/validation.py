@@ -31,17 +31,17 @@ from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.store.location import is_url
-from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.live_source import LiveSource
 from dflash_cache.train.loss import tau_hat
+from dflash_cache.train.place import Place
 
 if TYPE_CHECKING:
-    from dflash_cache.train.config import DrafterConfig
+    from dflash_cache.train.assemble import Parts
     from dflash_cache.train.run_config import TrainConfig
-    from dflash_cache.train.trainer import Trainer
+    from dflash_cache.train.step import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +104,19 @@ class Validation:
     batches: int  # global batches per evaluation: --eval-batches, or all the data holds if fewer
 
     @classmethod
-    def build(cls, cfg: TrainConfig, *, train_source: CacheSource | LiveSource, drafter_cfg: DrafterConfig,
-              target: TargetIdentity, device: torch.device, rank: int = 0, world: int = 1) -> Validation | None:
+    def build(cls, cfg: TrainConfig, parts: Parts, place: Place) -> Validation | None:
         """None without --eval-data. A held-out cache gets the training cache's checks (complete, made
-        for this target and layers); a dataset (--live only) runs through the run's loaded targets."""
+        for this target and layers); a dataset (--live only) runs through the run's loaded targets
+        (`parts.source`'s)."""
         from dflash_cache.train.assemble import live_dataset, open_cache, source_config
 
         data = cfg.eval_data
         if data is None:
             return None
-        config = dataclasses.replace(source_config(cfg), seed=EVAL_SEED)
+        rank, world = place.rank, place.world
         share = len(range(rank, cfg.eval_batches, world))  # global batch i is rank i % world's
+        config = dataclasses.replace(source_config(cfg), seed=EVAL_SEED, max_batches=share)
+        drafter_cfg, target = parts.drafter_cfg, parts.target
         try:
             if cfg.live is None or is_cache(data):
                 reader = open_cache(data, allow_incomplete=cfg.allow_incomplete)
@@ -122,11 +124,11 @@ class Validation:
                                layer_ids=drafter_cfg.target_layer_ids, hidden_size=drafter_cfg.hidden_size,
                                vocab_size=target.vocab_size, weights_fingerprint=target.weights_fingerprint,
                                target=target)
-                source = CacheSource(reader, config, device=device, rank=rank, world=world, max_batches=share)
+                source = CacheSource(reader, config, dataclasses.replace(place, profiler=StageProfiler(None)))
             else:
-                dataset, table = live_dataset(cfg, data, None, vocab_size=target.vocab_size,
-                                              max_context=drafter_cfg.max_position_embeddings)
-                source = train_source.for_dataset(dataset, table, config, max_batches=share)
+                held_out = live_dataset(cfg, data, None, vocab_size=target.vocab_size,
+                                        max_context=drafter_cfg.max_position_embeddings)
+                source = parts.source.for_dataset(held_out, config)
         except UserError as e:
             raise type(e)(f"--eval-data: {e}") from None
         planned = world * len(source.table.epoch(config, 0, rank, world))  # every process plans as many
@@ -143,56 +145,57 @@ class Validation:
     def describe(self) -> str:
         return f"{self.batches} held-out batches of {self.data} every {self.every} steps and at the end"
 
-    def run(self, trainer: Trainer) -> Evaluation:
-        """Evaluate `trainer`'s drafter at its step: in eval mode and without gradients, its mode then
+    def run(self, runner: StepRunner, step: int) -> Evaluation:
+        """Evaluate `runner`'s drafter at `step`: in eval mode and without gradients, its mode then
         restored; nothing of the training state is touched (the global random states are restored
         too, though nothing here draws from them). A collective call with several processes."""
-        device, model = trainer.device, trainer.model
+        device, model, place = runner.device, runner.model, runner.place
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the training work queued so far is not timed as evaluation
         t0 = time.perf_counter()
-        slots = trainer.cfg.block_size - 1
+        slots = runner.cfg.block_size - 1
         # [sum of weight x CE, sum of weights, right per slot..., scored per slot...]
         sums = torch.zeros(2 + 2 * slots, dtype=torch.float64, device=device)
         batches = tokens = 0
-        idle = StageProfiler(None)  # the run's profiler times training alone
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     contextlib.closing(self.source.iterate(Position(0, 0), epochs=1)) as held_out:
                 for _, batch in held_out:
-                    sums += _batch_sums(trainer, batch, batches * trainer.world + trainer.rank, idle)
+                    sums += _batch_sums(runner, batch, batches * place.world + place.rank)
                     batches, tokens = batches + 1, tokens + batch.num_tokens
         finally:
             model.train(was_training)
         sums = torch.cat((sums, torch.tensor([batches, tokens], dtype=sums.dtype).to(device)))
-        if trainer.world > 1:
+        if place.world > 1:
             torch.distributed.all_reduce(sums)
         loss_sum, weight, *per_slot, batches, tokens = sums.tolist()  # waits for the device
         right, scored = per_slot[:slots], per_slot[slots:]
         acc = [r / s if s else 0.0 for r, s in zip(right, scored, strict=True)]  # as slot_accuracy does
         loss = loss_sum / weight if weight else math.nan
         finite = math.isfinite(loss) and all(math.isfinite(a) for a in acc)
-        return Evaluation(step=trainer.step, loss=loss if finite else None,
+        return Evaluation(step=step, loss=loss if finite else None,
                           slot_acc=acc if finite else None, batches=int(batches),
                           tokens=int(tokens), seconds=time.perf_counter() - t0)
 
 
-def _batch_sums(trainer: Trainer, batch: PackedBatch, index: int, profiler: StageProfiler) -> torch.Tensor:
-    """One held-out batch's part of `Validation.run`'s sums, on the device."""
-    cfg = trainer.cfg
+def _batch_sums(runner: StepRunner, batch: PackedBatch, index: int) -> torch.Tensor:
+    """One held-out batch's part of `Validation.run`'s sums, on the device (timed by no profiler:
+    the run's times training alone)."""
+    cfg = runner.cfg
     blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                            max_anchors=trainer.max_anchors, mask_token_id=trainer.drafter_cfg.mask_token_id,
+                            max_anchors=runner.max_anchors, mask_token_id=runner.drafter_cfg.mask_token_id,
                             generator=torch.Generator().manual_seed(ANCHOR_SEED + index))
     # Padded to one of the run's static shapes where one fits, so that the masks are built for shapes the
     # run has seen; the layers run eagerly (uncompiled): their compiled graphs were built for training
     # (gradients on), and a forward under no_grad would compile every one of them again. Eager is the
     # path a static shape whose compilation failed takes; on a GPU its FlexAttention is compiled once per
     # process (`default_flex_attention`), and the loss's Triton kernel gets a variant without the gradient.
-    shape = trainer.shapes.shape_for(batch.num_tokens, blocks.num_anchors) if trainer.shapes is not None else None
-    inputs = trainer.step_inputs(batch, blocks, shape=shape, profiler=profiler)
-    loss, correct = trainer.forward_loss(inputs, trainer.model, profiler, eager=True)
+    shape = runner.shapes.shape_for(batch.num_tokens, blocks.num_anchors) if runner.shapes is not None else None
+    idle = StageProfiler(None)
+    inputs = runner.step_inputs(batch, blocks, shape=shape, profiler=idle)
+    loss, correct = runner.forward_loss(inputs, runner.model, idle, eager=True)
     weights = inputs.blocks.weights[:, 1:]
     valid = weights > 0
     weight = weights.sum()

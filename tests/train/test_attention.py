@@ -4,6 +4,8 @@ memory that follows the documents."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,9 @@ TYPES = ("sliding_attention", "full_attention", "sliding_attention")
 
 
 def drafter_cfg(window: int) -> DrafterConfig:
-    return DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=len(TYPES), block_size=B,
-                                     sliding_window=window, layer_types=TYPES)
+    return dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=len(TYPES), block_size=B, sliding_window=window),
+        layer_types=TYPES)
 
 
 def blocks_of(batch: PackedBatch, cfg: DrafterConfig) -> Blocks:

@@ -11,6 +11,8 @@ from dflash_cache.extract.run import extract
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.epoch_plan import Position, SourceConfig, plan_epoch
+from dflash_cache.train.place import Place
+from dflash_cache.train.source import Source
 from tests.conftest import extract_config
 
 
@@ -59,7 +61,7 @@ def small_cache(small_parquet, tmp_path_factory):
 def test_batches_reproduce_the_cache(small_cache):
     reader = CacheReader(small_cache)
     source = CacheSource(reader, SourceConfig(token_budget=300, min_supervised=1, prefetch=2, read_threads=2),
-                         device=torch.device("cpu"))
+                         Place(torch.device("cpu")))
     seen = []
     for _, batch in source.iterate(Position(0, 0), epochs=1):
         cu = batch.cu_seqlens.tolist()
@@ -81,13 +83,30 @@ def test_batches_reproduce_the_cache(small_cache):
 def test_resume_from_a_position_continues_the_same_stream(small_cache):
     reader = CacheReader(small_cache)
     cfg = SourceConfig(token_budget=300, min_supervised=1, prefetch=3, read_threads=2)
-    source = CacheSource(reader, cfg, device=torch.device("cpu"))
+    source = CacheSource(reader, cfg, Place(torch.device("cpu")))
     n = source.batches_per_epoch()
     full = [(p, b.sample_ids.tolist()) for p, b in itertools.islice(source.iterate(Position(0, 0)), n + 3)]
     k = n // 2
     resumed = [(p, b.sample_ids.tolist()) for p, b in itertools.islice(source.iterate(full[k - 1][0]), n + 3 - k)]
     assert resumed == full[k:]
     assert full[n - 1][0] == Position(0, n) and full[n][0] == Position(1, 1)
+
+
+def test_the_source_owns_its_position_and_a_fresh_one_resumes_from_its_state(small_cache):
+    """A `Source`: the position training has reached is the source's (`advance`), its state two
+    integers; a fresh source loaded with them continues the stream where the first stood, and counts
+    the batches left to the end of the epochs from there."""
+    cfg = SourceConfig(token_budget=300, min_supervised=1, prefetch=2, read_threads=1)
+    source = CacheSource(CacheReader(small_cache), cfg, Place(torch.device("cpu")))
+    assert isinstance(source, Source) and source.state_dict() == {"epoch": 0, "batch": 0}
+    n = source.batches_per_epoch()
+    stream = [(p, b.sample_ids.tolist()) for p, b in itertools.islice(source.iterate(source.position), n + 2)]
+    source.advance(stream[n][0])  # the first batch of epoch 1 trained
+    assert source.state_dict() == {"epoch": 1, "batch": 1} and source.batches_left(epochs=3) == 2 * n - 1
+    again = CacheSource(CacheReader(small_cache), cfg, Place(torch.device("cpu")))
+    again.load_state_dict(source.state_dict())
+    assert again.position == Position(1, 1)
+    assert [(p, b.sample_ids.tolist()) for p, b in itertools.islice(again.iterate(again.position), 1)] == stream[n + 1:]
 
 
 def test_manifest_mismatch_names_the_field(small_cache):
@@ -111,7 +130,7 @@ def test_a_cache_made_again_under_the_source_stops_it(small_cache, tmp_path):
     root = tmp_path / "cache"
     shutil.copytree(small_cache, root)
     source = CacheSource(CacheReader(root), SourceConfig(token_budget=300, min_supervised=1, prefetch=1,
-                                                         read_threads=1), device=torch.device("cpu"))
+                                                         read_threads=1), Place(torch.device("cpu")))
     n = source.batches_per_epoch()
     assert len(list(source.iterate(Position(0, 0), epochs=1))) == n
     for record in (root / "commits").glob("*.json"):

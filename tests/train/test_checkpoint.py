@@ -111,7 +111,7 @@ def test_an_unreadable_checkpoint_falls_back_to_the_one_before(demo_cache, tmp_p
         (newest / "drafter.safetensors").write_bytes(data[: len(data) // 2])
     else:
         (newest / "state.json").write_text('{"step": "four"')
-    with caplog.at_level(logging.WARNING, logger="dflash_cache.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dflash_cache.train"):
         _run(demo_cache, tmp_path, max_steps=5, save_every=2, resume=True)
     assert any("step_0000004" in m and "falling back" in m for m in caplog.messages), caplog.messages
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -133,11 +133,11 @@ def test_resume_with_another_process_count_continues_from_the_global_position(de
     state = json.loads(state_path.read_text())
     state["world"] = 3  # as if three processes had trained: position 3 = one batch each
     state_path.write_text(json.dumps(state))
-    with caplog.at_level(logging.WARNING, logger="dflash_cache.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dflash_cache.train"):
         trainer = Trainer.build(demo_train_config(demo_cache, tmp_path, resume=True, epochs=1), device=CPU)
-        assert trainer.restore()
-    assert trainer.position.batch == 3 and trainer.step == 3
-    assert trainer.total_steps == 3 + trainer.source.batches_per_epoch() - 3
+        assert trainer.checkpointer.restore()
+    assert trainer.source.position.batch == 3 and trainer.step == 3
+    assert trainer.drafter.schedule.total_steps == 3 + trainer.source.batches_per_epoch() - 3
     assert any("resuming a run of 3 process(es) with 1" in m for m in caplog.messages)
 
 
@@ -165,7 +165,7 @@ def test_options_changed_on_resume_are_each_said_in_one_line(demo_cache, two_ste
     shutil.copytree(two_step_run, out)
     saved = json.loads((list_checkpoints(out / "checkpoints")[0] / "state.json").read_text())["options"]
     assert saved["--save-every"] == 10000 and saved["--no-compile"] is False
-    with caplog.at_level(logging.INFO, logger="dflash_cache.train.trainer"):
+    with caplog.at_level(logging.INFO, logger="dflash_cache.train"):
         r = _cli_train(demo_cache, out, "--save-every", "7", "--keep-checkpoints", "3", "--no-compile")
     assert r.exit_code == 0, r.output
     said = [m for m in caplog.messages if m.startswith("--resume: options changed")]

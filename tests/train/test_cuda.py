@@ -3,6 +3,7 @@ Skipped where no CUDA device exists (CPU CI); run on the GPU machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -29,8 +30,9 @@ def test_compiled_flex_matches_dense_forward_and_grads(lengths):
     gradients on packed batches of several documents, with sliding-window and full layers."""
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
-    cfg = DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=3, block_size=8, sliding_window=48,
-                                    layer_types=TYPES)
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=3, block_size=8, sliding_window=48),
+        layer_types=TYPES)
     batch = make_batch(lengths, seed=len(lengths), p_sup=0.9).to(dev)
     blocks = sample_anchors(batch, block_size=8, num_anchors=24, mask_token_id=cfg.mask_token_id,
                             generator=torch.Generator().manual_seed(0))
@@ -68,11 +70,13 @@ def test_training_on_cuda_learns(demo_cache, tmp_path):
 @pytest.mark.parametrize("kernel", ["inductor", "triton"])
 @pytest.mark.parametrize("vocab", [5003, 151936])
 def test_gpu_loss_kernels_match_torch(kernel, vocab):
-    """The compiled and the Triton chunk kernels give the torch loss, accuracy and gradient (bf16 head,
-    float32 softmax), including rows with weight 0 and label -100, a short last chunk, and a vocabulary
-    of Qwen3's size."""
+    """The compiled (bench/variants.py's, which the trainer's was chosen over) and the Triton chunk
+    kernels give the torch loss, accuracy and gradient (bf16 head, float32 softmax), including rows with
+    weight 0 and label -100, a short last chunk, and a vocabulary of Qwen3's size."""
+    from bench.variants import register_loss_kernels
     from dflash_cache.train.loss import chunked_weighted_ce
 
+    register_loss_kernels()
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     m, h = 3000, 256
@@ -98,8 +102,9 @@ def test_gpu_loss_kernels_match_torch(kernel, vocab):
 
 def _drafter_case(dev: torch.device, lengths: list[int], seed: int):
     """A drafter config, one packed batch's features, positions, block embeddings and flex masks."""
-    cfg = DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=3, block_size=8, sliding_window=48,
-                                    layer_types=TYPES)
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), (1, 3, 5), num_layers=3, block_size=8, sliding_window=48),
+        layer_types=TYPES)
     batch = make_batch(lengths, seed=seed, p_sup=0.9).to(dev)
     blocks = sample_anchors(batch, block_size=8, num_anchors=24, mask_token_id=cfg.mask_token_id,
                             generator=torch.Generator().manual_seed(seed))
@@ -160,8 +165,9 @@ def test_flash_attention_kernels_follow_triton_in_the_static_graph():
     dev = torch.device("cuda")
     target = Qwen3Config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192)
-    cfg = DrafterConfig.from_target(target, (1, 3, 5), num_layers=3, block_size=16, sliding_window=256,
-                                    layer_types=TYPES)
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(target, (1, 3, 5), num_layers=3, block_size=16, sliding_window=256),
+        layer_types=TYPES)
     batch = make_batch([900, 300, 1200], seed=5, p_sup=0.9).to(dev)
     blocks = sample_anchors(batch, block_size=16, num_anchors=48, mask_token_id=cfg.mask_token_id,
                             generator=torch.Generator().manual_seed(5))
@@ -220,7 +226,7 @@ def test_compiled_training_follows_eager_training(demo_cache, tmp_path):
         cfg = demo_train_config(demo_cache, out, max_steps=12, log_every=1, compile=compiled, max_anchors=16)
         trainer = Trainer.build(cfg, device=torch.device("cuda"))
         trainer.fit()
-        static_steps.append(trainer.static_steps)
+        static_steps.append(trainer.runner.shape_record.compiled_steps)
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
     assert len(losses[0]) == 12
     assert static_steps[1] == 0 and static_steps[0] >= 6, static_steps
@@ -237,16 +243,18 @@ def test_after_the_warm_up_no_step_compiles(demo_cache, tmp_path):
     # A cap that some of the first 40 demo batches reach (the others hold 64-144 anchors).
     cfg = demo_train_config(demo_cache, tmp_path / "run", max_steps=40, max_anchors=160)
     trainer = Trainer.build(cfg, device=torch.device("cuda"))
-    assert len(trainer.shapes.anchors) >= 2, trainer.shapes
-    trainer.warm_up()
+    runner = trainer.runner
+    assert len(runner.shapes.anchors) >= 2, runner.shapes
+    runner.warm_up()
     compiled, anchors = counters["stats"]["unique_graphs"], set()
-    for _, batch in itertools.islice(trainer.source.iterate(trainer.position, epochs=None), 40):
-        inputs = trainer.prepare_step(batch)
+    for _, batch in itertools.islice(trainer.source.iterate(trainer.source.position, epochs=None), 40):
+        inputs = runner.prepare_step(batch)
         anchors.add(inputs.blocks.real_anchors)
-        trainer.train_step(batch, inputs)
+        runner.train_step(batch, inputs)
     trainer.source.close()
     assert counters["stats"]["unique_graphs"] == compiled
-    assert trainer.static_steps == 40 and trainer.shape_record.eager_steps == 0 and len(anchors) > 2, anchors
+    assert runner.shape_record.compiled_steps == 40 and runner.shape_record.eager_steps == 0 and len(anchors) > 2, \
+        anchors
 
 
 @needs_cuda
@@ -270,7 +278,7 @@ def test_a_failing_compiled_shape_trains_on_eagerly(demo_cache, tmp_path):
     trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["eager_steps"] for r in rows] == [3, 6] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    assert trainer.shape_record.failed.keys() == set(trainer.shapes.shapes)
+    assert trainer.runner.shape_record.failed.keys() == set(trainer.runner.shapes.shapes)
     assert (tmp_path / "run" / "export" / "model.safetensors").is_file()
 
 
@@ -302,14 +310,14 @@ def test_gpu_trainer_trains_bf16_weights_as_autocast_trains_float32_ones(demo_ca
         cfg = demo_train_config(demo_cache, out, max_steps=8, log_every=1)
         trainer = Trainer.build(cfg, device=torch.device("cuda"), precision=precision)
         if precision is None:
-            assert isinstance(trainer.optimizer, TritonAdamW)
-            assert {p.dtype for p in trainer.optimizer.master_weights()} == {torch.bfloat16}
+            assert isinstance(trainer.drafter.optimizer, TritonAdamW)
+            assert {p.dtype for p in trainer.drafter.optimizer.master_weights()} == {torch.bfloat16}
         trainer.fit()
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
         if precision is None:
             exported = load_file(out / "export" / "model.safetensors")
             named = dict(trainer.model.named_parameters())
-            for p, master in trainer.optimizer.master_weights().items():
+            for p, master in trainer.drafter.optimizer.master_weights().items():
                 name = next(n for n, q in named.items() if q is p)
                 assert torch.equal(exported[name].cuda(), master.to(torch.bfloat16))
     assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-5)  # the graphs fuse their reductions differently

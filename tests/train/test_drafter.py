@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 
@@ -96,9 +97,13 @@ def test_config_from_tiny_target(cfg):
     assert cfg.num_target_layers == 3 and cfg.target_num_hidden_layers == 8
     assert cfg.layer_types == ("full_attention",) * 5
     with pytest.raises(ValueError):
-        DrafterConfig.from_target(tc, LAYER_IDS, layer_types=("sliding_attention",) * 5)
+        dataclasses.replace(
+            DrafterConfig.from_target(tc, LAYER_IDS),
+            layer_types=("sliding_attention",) * 5)
     with pytest.raises(ValueError):
-        DrafterConfig.from_target(tc, LAYER_IDS, layer_types=("full_attention",) * 4)
+        dataclasses.replace(
+            DrafterConfig.from_target(tc, LAYER_IDS),
+            layer_types=("full_attention",) * 4)
     with pytest.raises(ValueError):
         DrafterConfig.from_target(tc, LAYER_IDS, block_size=1)
     with pytest.raises(ValueError):
@@ -201,8 +206,9 @@ def test_dense_and_flex_agree(cfg, drafter):
 
 
 def test_layer_types_pick_their_mask():
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=B, sliding_window=4,
-                                    layer_types=("sliding_attention", "full_attention"))
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=B, sliding_window=4),
+        layer_types=("sliding_attention", "full_attention"))
     drafter = init_drafter(cfg, 1).eval()
     ctx_pos, anchor, block_pos = anchors()
     features, embeds = inputs(cfg)
@@ -294,8 +300,10 @@ def test_distinct_rows_and_scored_only_compute_the_full_forwards_rows(layer_type
     """Training's forward (the first layer on the block input's A + 1 distinct rows, the last layer's
     output projection and MLP on slots 1..B-1 only) gives the full forward's scored rows, and the same
     gradient for every parameter from a loss on them; one layer does both at once."""
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=len(layer_types), block_size=B,
-                                    sliding_window=4, layer_types=layer_types)
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=len(layer_types), block_size=B,
+                                  sliding_window=4),
+        layer_types=layer_types)
     ctx_pos, anchor, block_pos = anchors()
     features, _ = inputs(cfg)
     g = torch.Generator().manual_seed(7)

@@ -135,8 +135,10 @@ def test_round_trip(exported):
 
 
 def test_sliding_round_trip(tmp_path):
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=4, sliding_window=64,
-                                    mask_token_id=7, layer_types=("sliding_attention", "full_attention"))
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=4, sliding_window=64,
+                                  mask_token_id=7),
+        layer_types=("sliding_attention", "full_attention"))
     export_drafter(init_drafter(cfg, 0), cfg, tmp_path)
     config, _ = load_exported(tmp_path)
     assert config["sliding_window"] == 64 and config["layer_types"] == ["sliding_attention", "full_attention"]
@@ -151,8 +153,9 @@ def test_max_window_layers_agrees_with_layer_types(tmp_path, types, full_first):
     fully) must get the very layer types the drafter was trained with."""
     from transformers import Qwen3Config
 
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=3, block_size=4, sliding_window=64,
-                                    layer_types=types)
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=3, block_size=4, sliding_window=64),
+        layer_types=types)
     export_drafter(init_drafter(cfg, 0), cfg, tmp_path)
     config, _ = load_exported(tmp_path)
     assert config["max_window_layers"] == full_first
@@ -216,8 +219,9 @@ def test_automodel_forward_matches_ours(exported, remote):
 def test_automodel_sliding_window_counts_back_from_each_query(tmp_path):
     """Sliding layers: key visible iff 0 <= query pos - key pos < W (the serving engines' rule)."""
     window = 6
-    cfg = DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=8, sliding_window=window,
-                                    layer_types=("sliding_attention", "full_attention"))
+    cfg = dataclasses.replace(
+        DrafterConfig.from_target(tiny_config(), LAYER_IDS, num_layers=2, block_size=8, sliding_window=window),
+        layer_types=("sliding_attention", "full_attention"))
     export_drafter(init_drafter(cfg, 5), cfg, tmp_path / "drafter")
     model, _ = load_with_automodel(tmp_path / "drafter", tmp_path / "modules")
     _, _, positions = forward_inputs(cfg)

@@ -23,8 +23,10 @@ from dflash_cache.target.capture import HiddenStateCapture
 from dflash_cache.target.model import TargetSpec, describe_target, load_target
 from dflash_cache.train.cache_source import CacheSource
 from dflash_cache.train.epoch_plan import Position, SourceConfig
-from dflash_cache.train.live_source import LiveSource, live_sample_table
+from dflash_cache.train.live_source import LiveData, LiveSource, LiveTargets, live_sample_table
+from dflash_cache.train.place import Place
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
+from dflash_cache.train.source import Source
 from dflash_cache.train.trainer import Trainer
 from tests.conftest import torchrun_cli
 
@@ -52,13 +54,15 @@ def live_source(capture_cls=HiddenStateCapture, **kw) -> LiveSource:
     dataset = open_data("demo")
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=None)
     capture = capture_cls(load_target(target, CPU), target.layer_ids)
-    return LiveSource(dataset=dataset, table=live_sample_table(scan, PlanConfig().bucket_bounds), config=SOURCE,
-                      captures=[capture], target_devices=[CPU], device=CPU, max_len=None, overlong="truncate", **kw)
+    bounds = PlanConfig().bucket_bounds
+    return LiveSource(LiveData(dataset, live_sample_table(scan, bounds), bounds), SOURCE,
+                      LiveTargets([capture], [CPU], **kw), Place(CPU))
 
 
 def test_first_batches_from_cache_and_live_are_bit_identical(demo_bf16_cache):
-    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, device=CPU)
+    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, Place(CPU))
     live = live_source(queue_depth=4, forward_plan=EXACT)
+    assert isinstance(live, Source) and isinstance(cache, Source)  # what the trainer takes batches from
     assert live.batches_per_epoch() == cache.batches_per_epoch() > 4
     k = live.batches_per_epoch() + 2  # into the second epoch
     with contextlib.closing(cache.iterate(Position(0, 0))) as c, contextlib.closing(live.iterate(Position(0, 0))) as lv:
@@ -75,10 +79,10 @@ def test_the_tee_commits_what_extraction_committed(demo_bf16_cache, tmp_path):
     from dflash_cache.train.tee import CacheTee
 
     extracted = CacheReader(demo_bf16_cache)
-    source = CacheSource(extracted, SOURCE, device=CPU)
-    tee = CacheTee(out=str(tmp_path / "tee"), codec="bf16", target=describe_target(TargetSpec(model="tiny")),
-                   dataset=open_data("demo"), table=source.table, source_config=SOURCE,
-                   bucket_bounds=PlanConfig().bucket_bounds, max_len=None, overlong="truncate", rank=0, world=1)
+    source = CacheSource(extracted, SOURCE, Place(CPU))
+    tee = CacheTee(str(tmp_path / "tee"), "bf16", target=describe_target(TargetSpec(model="tiny")),
+                   data=LiveData(open_data("demo"), source.table, PlanConfig().bucket_bounds), source_config=SOURCE,
+                   place=Place(CPU))
     with contextlib.closing(source.iterate(Position(0, 0), epochs=1)) as batches:
         for g, (_, batch) in enumerate(batches):
             tee(g, batch, None)
@@ -95,7 +99,7 @@ def test_the_tee_commits_what_extraction_committed(demo_bf16_cache, tmp_path):
 
 
 def test_default_forward_batching_changes_features_by_rounding_only(demo_bf16_cache):
-    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, device=CPU)
+    cache = CacheSource(CacheReader(demo_bf16_cache), SOURCE, Place(CPU))
     live = live_source(queue_depth=4)  # padded forward batches of up to 64 rows
     with contextlib.closing(cache.iterate(Position(0, 0))) as c, contextlib.closing(live.iterate(Position(0, 0))) as lv:
         for (_, bc), (_, bl) in itertools.islice(zip(c, lv, strict=False), 3):

@@ -42,14 +42,14 @@ _SCRIPT = textwrap.dedent(
     # the reference steps float32 weights with the same kernel (HAS_MASTER off) and the same clip, so
     # that any difference is the precision's; TritonAdamW against torch's AdamW: test_adamw_kernel.py
     triton_opt = TritonAdamW(param_groups(ref.model, ref.cfg.weight_decay), lr=ref.cfg.lr, betas=BETAS, eps=EPS)
-    for new, old in zip(triton_opt.param_groups, ref.optimizer.param_groups, strict=True):
+    for new, old in zip(triton_opt.param_groups, ref.drafter.optimizer.param_groups, strict=True):
         new.update(lr=old["lr"], initial_lr=old["initial_lr"])
-    ref.optimizer = ref.scheduler.optimizer = triton_opt
+    ref.drafter.optimizer = ref.drafter.schedule.scheduler.optimizer = triton_opt
     batches = [b for _, b in itertools.islice(ref.source.iterate(Position(0, 0)), 4)]
     losses = []
     for batch in batches[:3]:
-        losses.append((float(ref.train_step(batch)["loss"]), float(low.train_step(batch)["loss"])))
-    masters = {id(p): m for p, m in low.optimizer.master_weights().items()}
+        losses.append((float(ref.runner.train_step(batch)["loss"]), float(low.runner.train_step(batch)["loss"])))
+    masters = {id(p): m for p, m in low.drafter.optimizer.master_weights().items()}
     ref_params = dict(ref.model.named_parameters())
     low_params = dict(low.model.named_parameters())
     res = {
@@ -69,19 +69,19 @@ _SCRIPT = textwrap.dedent(
     res["saved are masters"] = all(bool(torch.equal(saved[n], masters.get(id(p), p).detach()))
                                    for n, p in low_params.items())
     again = trainer("low", True)
-    res["restored"] = again.restore()
+    res["restored"] = again.checkpointer.restore()
     again_params = dict(again.model.named_parameters())
-    again_masters = {id(p): m for p, m in again.optimizer.master_weights().items()}
+    again_masters = {id(p): m for p, m in again.drafter.optimizer.master_weights().items()}
     res["masters restored"] = all(bool(torch.equal(again_masters[id(again_params[n])], masters[id(p)]))
                                   for n, p in low_params.items() if id(p) in masters)
     res["moments restored"] = all(
-        again.optimizer.state[again_params[n]][k].dtype == torch.float32
-        and bool(torch.equal(again.optimizer.state[again_params[n]][k], low.optimizer.state[p][k]))
+        again.drafter.optimizer.state[again_params[n]][k].dtype == torch.float32
+        and bool(torch.equal(again.drafter.optimizer.state[again_params[n]][k], low.drafter.optimizer.state[p][k]))
         for n, p in low_params.items() for k in ("exp_avg", "exp_avg_sq"))
-    low.train_step(batches[3])
-    again.train_step(batches[3])
+    low.runner.train_step(batches[3])
+    again.runner.train_step(batches[3])
     res["resume exact"] = all(bool(torch.equal(again_params[n], p)) for n, p in low_params.items()) and all(
-        bool(torch.equal(again_masters[id(again_params[n])], low.optimizer.master_weights()[p]))
+        bool(torch.equal(again_masters[id(again_params[n])], low.drafter.optimizer.master_weights()[p]))
         for n, p in low_params.items() if id(p) in masters)
     print("RESULTS " + json.dumps(res))
     """

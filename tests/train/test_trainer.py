@@ -17,6 +17,7 @@ from dflash_cache.profiler import StageProfiler
 from dflash_cache.target.model import TargetSpec
 from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.step import StepRunner
 from dflash_cache.train.trainer import Trainer, lr_factor
 from tests.conftest import torchrun_cli
 from tools.make_demo_drafter import demo_train_config
@@ -115,9 +116,9 @@ def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
 # the RNG has advanced for a batch not yet trained on); inside step 6's loss; between step 6's
 # gradient clip and its optimizer step (weights not yet updated).
 INTERRUPT_POINTS = {
-    "anchors": ("dflash_cache.train.trainer.sample_anchors", 5),
-    "masks": ("dflash_cache.train.trainer.build_masks", 5),
-    "loss": ("dflash_cache.train.trainer.chunked_weighted_ce", 6),
+    "anchors": ("dflash_cache.train.step.sample_anchors", 5),
+    "masks": ("dflash_cache.train.step.build_masks", 5),
+    "loss": ("dflash_cache.train.step.chunked_weighted_ce", 6),
     "optimizer": ("torch.nn.utils.clip_grad_norm_", 6),
 }
 
@@ -157,7 +158,7 @@ def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypa
     """A crash after the last checkpoint leaves metric rows of steps that the resume redoes."""
     import torch
 
-    real_step = Trainer.train_step
+    real_step = StepRunner.train_step
     calls = {"n": 0}
 
     def crashing(self, batch, *args, **kwargs):
@@ -166,11 +167,11 @@ def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypa
             raise RuntimeError("simulated crash")
         return real_step(self, batch, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "train_step", crashing)
+    monkeypatch.setattr(StepRunner, "train_step", crashing)
     with pytest.raises(RuntimeError):
         Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4), device=torch.device("cpu")).fit()
     assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 11))
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    monkeypatch.setattr(StepRunner, "train_step", real_step)
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4, resume=True),
                   device=torch.device("cpu")).fit()
     assert [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)] == straight_run
@@ -191,13 +192,13 @@ def test_the_first_windows_rate_leaves_out_start_up(demo_cache, tmp_path, monkey
     import functools
     import time
 
-    from dflash_cache.train import trainer as trainer_module
+    from dflash_cache.train import bookkeeping
     from dflash_cache.train.metrics_log import MetricsLog
 
     late = {"s": 0.0}
-    monkeypatch.setattr(trainer_module, "MetricsLog",
+    monkeypatch.setattr(bookkeeping, "MetricsLog",
                         functools.partial(MetricsLog, clock=lambda: time.perf_counter() + late["s"]))
-    real_step, started = Trainer.train_step, set()
+    real_step, started = StepRunner.train_step, set()
 
     def slow_first(self, *args, **kwargs):
         out = real_step(self, *args, **kwargs)
@@ -206,7 +207,7 @@ def test_the_first_windows_rate_leaves_out_start_up(demo_cache, tmp_path, monkey
             late["s"] += 100.0
         return out
 
-    monkeypatch.setattr(Trainer, "train_step", slow_first)
+    monkeypatch.setattr(StepRunner, "train_step", slow_first)
     cpu = torch.device("cpu")
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=4, log_every=2), device=cpu).fit()
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=8, log_every=2, resume=True), device=cpu).fit()
@@ -222,7 +223,7 @@ def test_existing_run_needs_resume(demo_cache, tmp_path, caplog):
 
     import torch
 
-    with caplog.at_level(logging.INFO, logger="dflash_cache.train.trainer"):
+    with caplog.at_level(logging.INFO, logger="dflash_cache.train"):
         Trainer.build(_cfg(demo_cache, tmp_path / "r", max_steps=2), device=torch.device("cpu")).fit()
     assert any(m.startswith("start-up: set-up ") for m in caplog.messages), "start-up is reported"
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
@@ -297,7 +298,8 @@ def _check_two_rank_run(demo_cache: Path, out: Path) -> None:
     one = Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(out), block_size=8, draft_layers=1,
                                     num_anchors=8, token_budget=1024, progress=False, eval_data=str(demo_cache),
                                     eval_batches=3), device=torch.device("cpu"))
-    assert one.restore() and one.validation.run(one).loss == pytest.approx(rows[-1]["eval_loss"], rel=1e-9)
+    assert one.checkpointer.restore()
+    assert one.validation.run(one.runner, one.step).loss == pytest.approx(rows[-1]["eval_loss"], rel=1e-9)
     rng = load(out / "checkpoints" / "step_0000004" / "rng.safetensors")
     assert {"anchors.rank0", "anchors.rank1"} <= set(rng)
     assert not torch_equal(rng["anchors.rank0"], rng["anchors.rank1"]), "ranks draw their own anchors"
@@ -372,7 +374,7 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
     def no_compiler(self, batch, *args, **kwargs):
         raise BackendCompilerFailed(None, RuntimeError("Failed to find C compiler.\nPlease specify via CC"), None)
 
-    monkeypatch.setattr(Trainer, "train_step", no_compiler)
+    monkeypatch.setattr(StepRunner, "train_step", no_compiler)
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(tmp_path / "r"),
                                  "--max-steps", "2", "--no-progress"])
     assert r.exit_code == 2, r.output
@@ -383,7 +385,7 @@ def test_a_compiler_that_cannot_build_kernels_is_one_line_naming_no_compile(demo
 
 def _with_static_shapes(trainer: Trainer) -> Trainer:
     """`trainer` padding its steps to the static shapes a GPU run would (its layers still eager here)."""
-    trainer.shapes = trainer._plan_shapes()
+    trainer.runner.shapes = trainer.plan_shapes()
     return trainer
 
 
@@ -393,9 +395,9 @@ def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
     counts are as before."""
     trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2, static_shapes=2),
                                                 device=torch.device("cpu")))
-    assert len(trainer.shapes.anchors) == 2
+    assert len(trainer.runner.shapes.anchors) == 2
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    rng, anchors = torch.get_rng_state(), trainer.generator.get_state()
+    rng, anchors = torch.get_rng_state(), trainer.rng.generator.get_state()
     forwards, had_grads, zero_grad = [], [], trainer.model.zero_grad
     trainer.model.register_forward_hook(lambda *_: forwards.append(True))
 
@@ -404,27 +406,31 @@ def test_warm_up_leaves_no_trace(demo_cache, tmp_path):
         zero_grad(**kw)
 
     trainer.model.zero_grad = recording_zero_grad
-    assert trainer.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True, True]
+    assert trainer.runner.warm_up() >= 0 and len(forwards) == 2 and had_grads == [True, True]
     assert all(torch.equal(v, weights[k]) for k, v in trainer.model.state_dict().items())
-    assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.optimizer.state
-    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.generator.get_state(), anchors)
-    assert trainer.step == 0 and trainer.static_steps == 0
+    assert all(p.grad is None for p in trainer.model.parameters()) and not trainer.drafter.optimizer.state
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(trainer.rng.generator.get_state(), anchors)
+    assert trainer.step == 0 and trainer.runner.shape_record.compiled_steps == 0
 
 
 def test_the_step_on_fewer_rows_is_the_step_on_every_row(demo_cache, tmp_path):
     """The trainer's forward on the block input's distinct rows and the scored rows only (the default)
-    takes the step that running every row takes: the same loss, accuracy and parameter gradients."""
+    takes the step that running every row takes (bench.variants.use_every_row, what bench/train.py
+    compares): the same loss, accuracy and parameter gradients."""
+    from bench.variants import use_every_row
+
     trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=1), device=torch.device("cpu"))
-    _, batch = next(iter(trainer.source.iterate(trainer.position, epochs=1)))
+    runner = trainer.runner
+    _, batch = next(iter(trainer.source.iterate(trainer.source.position, epochs=1)))
     trainer.source.close()
     blocks = sample_anchors(batch, block_size=trainer.cfg.block_size, num_anchors=trainer.cfg.num_anchors,
-                            mask_token_id=trainer.drafter_cfg.mask_token_id, generator=torch.Generator().manual_seed(0))
+                            mask_token_id=runner.drafter_cfg.mask_token_id, generator=torch.Generator().manual_seed(0))
     runs = []
     for fewer in (True, False):
-        trainer.fewer_rows = fewer
+        use_every_row(runner, not fewer)
         trainer.model.zero_grad(set_to_none=True)
-        inputs = trainer.step_inputs(batch, blocks, shape=None, profiler=StageProfiler(None))
-        loss, correct = trainer._forward_backward(inputs, net=trainer.model, profiler=StageProfiler(None))
+        inputs = runner.step_inputs(batch, blocks, shape=None, profiler=StageProfiler(None))
+        loss, correct = runner._forward_backward(inputs, net=trainer.model, profiler=StageProfiler(None))
         runs.append((loss.detach(), correct, [p.grad.clone() for p in trainer.model.parameters()]))
     (loss_f, correct_f, grads_f), (loss_a, correct_a, grads_a) = runs
     assert blocks.num_anchors > 0
@@ -443,13 +449,14 @@ def test_sampling_ahead_takes_the_same_steps_and_checkpoints_the_same_rng(demo_c
     runs = []
     for ahead in (False, True):
         trainer = Trainer.build(_cfg(demo_cache, tmp_path / f"ahead-{ahead}", max_steps=4), device=torch.device("cpu"))
-        batches = [b for _, b in itertools.islice(trainer.source.iterate(trainer.position, epochs=1), 4)]
+        batches = [b for _, b in itertools.islice(trainer.source.iterate(trainer.source.position, epochs=1), 4)]
         trainer.source.close()
+        runner = trainer.runner
         if ahead:
-            steps = ((m, trainer._rng_state()["anchors.rank0"]) for _, _, m in
-                     trainer.train_steps((None, b) for b in batches))
+            steps = ((m, trainer.rng.state_dict()["anchors.rank0"]) for _, _, m in
+                     runner.train_steps((None, b) for b in batches))
         else:
-            steps = ((trainer.train_step(b), trainer._rng_state()["anchors.rank0"]) for b in batches)
+            steps = ((runner.train_step(b), trainer.rng.state_dict()["anchors.rank0"]) for b in batches)
         runs.append([(float(m["loss"]), state.clone()) for m, state in steps])
     assert len(runs[1]) == 4
     for (loss_one, state_one), (loss_ahead, state_ahead) in zip(*runs, strict=True):
@@ -482,8 +489,8 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
     export, and the metrics count the eager steps."""
     trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=6, log_every=2,
                                                      static_shapes=1), device=torch.device("cpu")))
-    (shape,) = trainer.shapes.shapes
-    once = trainer._forward_backward_once
+    (shape,) = trainer.runner.shapes.shapes
+    once = trainer.runner._forward_backward_once
     compiled_calls = []
 
     def failing_compiled_step(inputs, net, profiler, while_queued, *, eager):
@@ -494,13 +501,13 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
                 raise RuntimeError("shape '[10161, 128]' is invalid for input of size 8193")
         return once(inputs, net, profiler, while_queued, eager=eager)
 
-    trainer._forward_backward_once = failing_compiled_step
+    trainer.runner._forward_backward_once = failing_compiled_step
     with caplog.at_level("WARNING"):
         trainer.fit()
     rows = _rows(tmp_path)
     # the warm-up compiled the shape; step 1's compiled attempt failed in its backward and ran eagerly
     assert [r["step"] for r in rows] == [2, 4, 6] and [r["eager_steps"] for r in rows] == [2, 4, 6]
-    assert compiled_calls == [shape, shape] and trainer.shape_record.failed.keys() == {shape}
+    assert compiled_calls == [shape, shape] and trainer.runner.shape_record.failed.keys() == {shape}
     warned = [m for m in caplog.messages if "failed under torch" in m]
     assert len(warned) == 1 and str(shape) in warned[0] and torch.__version__ in warned[0], caplog.messages
     assert (tmp_path / "export" / "model.safetensors").is_file()
@@ -509,7 +516,7 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
 def test_gpu_sized_defaults_on_a_cpu_say_so_once_and_the_demo_does_not(demo_cache, tmp_path, caplog):
     """With no tuning flags a CPU step takes minutes: one line at start says so and names the flags of
     a quick CPU run; the demo's settings say nothing."""
-    with caplog.at_level("WARNING", logger="dflash_cache.train.trainer"):
+    with caplog.at_level("WARNING", logger="dflash_cache.train"):
         Trainer.build(_cfg(demo_cache, tmp_path / "demo", max_steps=1), device=torch.device("cpu"))
         assert not caplog.messages
         Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(tmp_path / "defaults")),
@@ -590,7 +597,7 @@ def test_options_changed_on_resume_are_applied_and_said(demo_cache, tmp_path, ca
     changed --max-steps moves the schedule's end; each says so in one line, none is dropped."""
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=8, log_every=2), device=torch.device("cpu")).fit()
     before = _rows(tmp_path)[1]  # step 4, at the first run's own peak's schedule
-    with caplog.at_level("INFO", logger="dflash_cache.train.trainer"):
+    with caplog.at_level("INFO", logger="dflash_cache.train"):
         trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, log_every=2, lr=1e-5, resume=True),
                                 device=torch.device("cpu"))
         trainer.fit()

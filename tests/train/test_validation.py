@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from dflash_cache.cli import cli
 from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
+from dflash_cache.train.step import StepRunner
 from dflash_cache.train.trainer import Trainer
 from tools.make_demo_drafter import demo_train_config
 
@@ -90,11 +91,11 @@ def test_an_evaluation_scores_the_same_blocks_and_leaves_the_trainer_as_it_was(d
     the drafter's train mode are as they were."""
     trainer = Trainer.build(demo_train_config(demo_cache, tmp_path, eval_data=str(demo_cache), eval_batches=2),
                             device=CPU)
-    generator, global_rng = trainer.generator.get_state(), torch.get_rng_state()
-    first, second = trainer.validation.run(trainer), trainer.validation.run(trainer)
+    generator, global_rng = trainer.rng.generator.get_state(), torch.get_rng_state()
+    first, second = [trainer.validation.run(trainer.runner, trainer.step) for _ in range(2)]
     assert first.row() | {"eval_seconds": 0} == second.row() | {"eval_seconds": 0}
     assert first.batches == 2 and first.loss is not None
-    assert torch.equal(trainer.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_rng)
+    assert torch.equal(trainer.rng.generator.get_state(), generator) and torch.equal(torch.get_rng_state(), global_rng)
     assert trainer.model.training and trainer.step == 0
 
 
@@ -106,7 +107,7 @@ def test_eval_every_defaults_to_save_every(demo_cache, tmp_path):
 def test_resume_redoes_the_evaluations_after_the_checkpoint_once(demo_cache, tmp_path, monkeypatch, straight):
     """A crash at step 4 leaves evaluation rows past the step-2 checkpoint; the resume rewinds them
     with the training rows, and trains what an uninterrupted run trains."""
-    real_step = Trainer.train_step
+    real_step = StepRunner.train_step
     calls = {"n": 0}
 
     def crashing(self, *args, **kwargs):
@@ -115,12 +116,12 @@ def test_resume_redoes_the_evaluations_after_the_checkpoint_once(demo_cache, tmp
             raise RuntimeError("simulated crash")
         return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "train_step", crashing)
+    monkeypatch.setattr(StepRunner, "train_step", crashing)
     kw = dict(max_steps=4, save_every=2, eval_data=str(demo_cache), eval_every=1, eval_batches=1)
     with pytest.raises(RuntimeError):
         _fit(demo_cache, tmp_path, **kw)
     assert [(r["step"], r.get("split")) for r in _rows(tmp_path)][-2:] == [(3, None), (3, "eval")]
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    monkeypatch.setattr(StepRunner, "train_step", real_step)
     _fit(demo_cache, tmp_path, resume=True, **kw)
     trained, evals = _split(tmp_path)
     assert _training(trained) == _training(_split(straight)[0])

@@ -233,11 +233,11 @@ def test_storage_errors_and_a_url_the_tee_cannot_write_are_one_line(bucket):
         "Error: cannot write the cache at s3://no-such-bucket/x: The specified bucket does not exist"), r.output
     with pytest.raises(UserError, match="install the package for that storage"):
         open_or_create("gs://bucket/x", make_manifest(), one_segment_plan())
+    from dflash_cache.train.place import Place
     from dflash_cache.train.tee import CacheTee
 
     with pytest.raises(UserError, match="^--write-cache s3://b/x: the live run writes its cache to a local"):
-        CacheTee(out="s3://b/x", codec="bf16", target=None, dataset=None, table=None, source_config=None,
-                 bucket_bounds=(0,), max_len=None, overlong="truncate", rank=0, world=1)
+        CacheTee("s3://b/x", "bf16", target=None, data=None, source_config=None, place=Place(torch.device("cpu")))
 
 
 def test_dry_run_reads_the_url_and_writes_nothing(bucket, demo_run):
