@@ -15,6 +15,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_cache.errors import UserError
@@ -75,12 +76,34 @@ def use_free_cores(device: torch.device, share: int = 1) -> int | None:
     return choice.threads
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1: cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us
+
+
 def _allowed_cores() -> int:
-    """The cores this process may run on (its affinity; all of them where that is not known)."""
+    """The cores this process may run on: its affinity (all of them where that is not known), at
+    most its container's CPU quota, rounded up (a container limited to 4 CPUs on a 96-core host sees
+    all 96 in its affinity and is throttled past 4)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = _cgroup_quota()
+    return min(cores, quota) if quota is not None else cores
+
+
+def _cgroup_quota(cpu_max: Path | None = None, v1: Path | None = None) -> int | None:
+    """The cgroup's CPU quota in whole cores, rounded up; None when there is none."""
+    cpu_max, v1 = cpu_max or CGROUP_CPU_MAX, v1 or CGROUP_V1_CPU
+    try:
+        if cpu_max.is_file():
+            quota, period = cpu_max.read_text().split()[:2]
+        else:
+            quota, period = ((v1 / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        cores = int(quota) / int(period)
+    except (OSError, ValueError):  # no cgroup file, "max" (no quota), or malformed
+        return None
+    return max(1, math.ceil(cores)) if cores > 0 else None  # v1 says -1 for no quota
 
 
 __all__ = ["ENV", "ThreadChoice", "choose_cpu_threads", "use_free_cores"]

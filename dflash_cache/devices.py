@@ -93,4 +93,4 @@ def torchrun_env() -> tuple[int, int] | None:
 
 def torchrun_device() -> torch.device:
     """torchrun's convention: local rank n uses GPU n (of those CUDA_VISIBLE_DEVICES shows)."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    return resolve_device("auto", int(os.environ.get("LOCAL_RANK", 0)))

@@ -51,7 +51,6 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dflash_cache.cpu_threads import use_free_cores
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.logs import setup_logging
 
@@ -208,8 +207,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
     folder = Path(reports)
     device = devices[int(os.environ["LOCAL_RANK"])]
     try:
-        # Ranks sharing the CPU split its free cores, instead of each spinning on all of them.
-        use_free_cores(device, share=sum(d.type == "cpu" for d in devices))
+        # Each rank's entry (extract's and train's) sets its threads, splitting a host's free cores.
         return fn(*args, device=device, echo=echo)
     except UserError as e:
         Report(rank, True, str(e), time.time()).write(folder)

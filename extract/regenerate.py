@@ -61,7 +61,7 @@ from dflash_cache.files import (
 )
 from dflash_cache.options import check_options, option
 from dflash_cache.target.generation import cut_at_stop, greedy_complete
-from dflash_cache.target.model import DTYPES, TargetSpec, describe_target, load_target
+from dflash_cache.target.model import DTYPES, TargetDescription, TargetSpec, identify_target, load_target
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,9 @@ def regenerate(cfg: RegenerateConfig, device: torch.device,
     if MESSAGES not in source.columns:
         raise UserError(f"--data {cfg.data} has no {MESSAGES!r} column, so there is no conversation to regenerate")
     encoder = ChatSpec(cfg.model, cfg.chat_template, cfg.trust_remote_code).load()
-    desc = describe_target(TargetSpec(model=cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code))
+    spec = TargetSpec(model=cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    config, identity = identify_target(spec)  # generation captures no layer: none is chosen (a small target passes)
+    desc = TargetDescription(spec=spec, config=config, identity=identity, layer_ids=[])
     params = _params(cfg, source, encoder, desc)
     parts = parts_dir(out)
     finished = _finished(out, params, cfg.overwrite)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -65,7 +66,6 @@ def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[
     """Extract on `devices`: one runs in this process, several as one launched rank each (the same
     device may repeat); either way `echo` is called here, in this process."""
     if len(devices) == 1:
-        use_free_cores(devices[0])
         extract_rank(cfg, device=devices[0], echo=echo)
     else:
         launch(extract_rank, (cfg,), devices, echo=echo, crash_hint=RESUME_HINT)
@@ -74,6 +74,7 @@ def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[
 def extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Callable[[str], None]) -> None:
     """What every rank runs, as torchrun's environment (RANK, WORLD_SIZE) says; without it, the only rank."""
     rank, world = torchrun_env() or (0, 1)
+    use_free_cores(device, share=int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # a host's CPU ranks split its cores
     tensor_parallel = cfg.gpus_per_target > 1
     if tensor_parallel and world != cfg.gpus_per_target:
         raise UserError(f"--gpus-per-target {cfg.gpus_per_target} runs one copy of the target over all the GPUs, so it "

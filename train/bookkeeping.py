@@ -34,14 +34,14 @@ class Bookkeeper:
     schedule and step runner), from the step it starts at; rank 0 writes the rows."""
 
     def __init__(self, cfg: TrainConfig, parts: CheckpointParts, place: Place, *,
-                 row_sink: Callable[[dict[str, Any]], None], build_seconds: float | None) -> None:
+                 row_sink: Callable[[dict[str, Any]], None] | None, build_seconds: float | None) -> None:
         """`row_sink` gets each row rank 0 writes (trackers); `build_seconds`: the set-up's, if known."""
         self.cfg, self.parts, self.place, self.build_seconds = cfg, parts, place, build_seconds
         step = parts.progress.step
         self.bar = tqdm(total=parts.schedule.total_steps, initial=step, unit="step", dynamic_ncols=True,
                         disable=not (cfg.progress and place.rank == 0))
         self.metrics = MetricsLog(Path(cfg.out) / "metrics.jsonl", place.device, slots=cfg.block_size - 1,
-                                  rank=place.rank, world=place.world, sinks=[row_sink])
+                                  rank=place.rank, world=place.world, sinks=[row_sink] if row_sink is not None else [])
         self.window: list[dict[str, torch.Tensor]] = []
         self.tokens = 0  # in the window
         self.log_from = step  # a row every --log-every steps from here: after a resume too, whole windows

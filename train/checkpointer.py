@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,15 @@ class Checkpointer:
         self.cfg, self.parts, self.place = cfg, parts, place
         self.directory = Path(cfg.out) / "checkpoints"
 
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        """The run's identity, fixed for the run: computed once (it hashes every sample of the source)."""
+        return run_identity(self.cfg, self.parts.drafter, self.parts.source)
+
+    @cached_property
+    def options(self) -> dict[str, Any]:
+        return options_json(self.cfg)
+
     def save(self) -> Path | None:
         """Checkpoint the parts; a UserError instead of writing weights that are not finite (a run
         that diverged). A collective call with several processes."""
@@ -126,9 +136,9 @@ class Checkpointer:
             hparams = tensors.pop("optimizer_hparams")
             schedule = parts.schedule.state_dict()
             state = TrainerState(**parts.progress.state_dict(), **parts.source.state_dict(), world=self.place.world,
-                                 run=run_identity(self.cfg, parts.drafter, parts.source),
+                                 run=self.identity,
                                  **parts.steps.state_dict(), total_steps=schedule["total_steps"],
-                                 options=options_json(self.cfg), scheduler=schedule["scheduler"],
+                                 options=self.options, scheduler=schedule["scheduler"],
                                  optimizer_hparams=hparams)
             path = save_files(self.directory, {**tensors, "rng.safetensors": rng}, state=state,
                               keep=self.cfg.keep_checkpoints)
@@ -141,7 +151,7 @@ class Checkpointer:
         """Load the newest readable checkpoint (falling back past unreadable ones, and saying so);
         False if there is none. A checkpoint of a differently configured run is refused."""
         candidates = list_checkpoints(self.directory)
-        current = run_identity(self.cfg, self.parts.drafter, self.parts.source)
+        current = self.identity
         for path in candidates:
             try:
                 state = read_state(path)
@@ -187,7 +197,7 @@ class Checkpointer:
         since the checkpoint's run, so none changes without a word."""
         if state.options is None or self.place.rank != 0:
             return
-        now = options_json(self.cfg)
+        now = self.options
         changed = [f"{flag} {_shown(now.get(flag))} (was {_shown(state.options.get(flag))})"
                    for flag in sorted(set(now) | set(state.options))
                    if flag not in SAID_ELSEWHERE and now.get(flag) != state.options.get(flag)]

@@ -113,6 +113,11 @@ class Trackers:
             log.info("reporting to %s", ", ".join(names))
         self._step = 0
 
+    @property
+    def active(self) -> bool:
+        """Whether any tracker is open (else rows need not be turned into scalars)."""
+        return bool(self._open)
+
     def row(self, row: dict[str, Any]) -> None:
         """A metrics.jsonl row (what MetricsLog writes)."""
         step, values = scalars(row)

@@ -186,30 +186,43 @@ class Trainer:
     @contextlib.contextmanager
     def _tracking(self) -> Iterator[None]:
         """The run's trackers (--report-to, rank 0), closed however the run ends."""
-        names = parse_report_to(self.cfg.report_to) if self.place.rank == 0 else ()
-        self.trackers = Trackers(names, self.out, options_json(self.cfg))
-        if names:
-            self.place.profiler.listeners.append(self.trackers.report)
+        self.trackers = Trackers((), self.out, {})  # none until the run passed its checks (`_open_trackers`)
         try:
             yield
         finally:
             self.trackers.close()
+            if self.trackers.report in self.place.profiler.listeners:
+                self.place.profiler.listeners.remove(self.trackers.report)
+
+    def _open_trackers(self) -> None:
+        """Open --report-to's trackers (rank 0) once the run is known to go ahead: a refused run starts
+        no W&B run and writes no tracker files."""
+        names = parse_report_to(self.cfg.report_to) if self.place.rank == 0 else ()
+        if names:
+            self.trackers = Trackers(names, self.out, options_json(self.cfg))
+            self.place.profiler.listeners.append(self.trackers.report)
 
     def _start(self) -> Bookkeeper:
         """Resume (or refuse to train over checkpoints without --resume), rewind the metrics to the
         step resumed, and compile the static shapes; the bookkeeping starts the clock after that."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
+        planned_for = (self.runner.max_anchors, self.drafter.schedule.total_steps)
         if cfg.resume and not self.checkpointer.restore():
             log.info("--resume: no checkpoint in %s, starting fresh", self.checkpointer.directory)
         elif not cfg.resume and list_checkpoints(self.checkpointer.directory):
             raise UserError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
+        if self.runner.shapes is not None and (self.runner.max_anchors, self.drafter.schedule.total_steps) != planned_for:
+            # the checkpoint lowered the anchor cap or moved the schedule's end: the shapes compiled next
+            # are those this run's batches take from here
+            self.runner.shapes = self.plan_shapes()
+        self._open_trackers()
         if self.place.rank == 0:
             truncate_metrics(self.out / "metrics.jsonl", self.step)
             if self.validation is not None:
                 log.info("evaluation: %s", self.validation.describe())
-        book = Bookkeeper(cfg, self.checkpointer.parts, self.place, row_sink=self.trackers.row,
-                          build_seconds=self.build_seconds)
+        book = Bookkeeper(cfg, self.checkpointer.parts, self.place,
+                          row_sink=self.trackers.row if self.trackers.active else None, build_seconds=self.build_seconds)
         self._metrics = book.metrics
         book.start(self._explaining_compile_failures(self.runner.warm_up) if self.runner.shapes is not None else None)
         return book

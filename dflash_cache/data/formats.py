@@ -244,7 +244,9 @@ def _special(path: Path) -> str | None:
 def open_source(path: Path) -> Source:
     """Detect the format of `path` and open it lazily."""
     if not path.exists():
-        if _HUB_NAME.fullmatch(str(path)) and path.suffix not in (".parquet", ".arrow", *_JSONL_SUFFIXES):
+        # org/name whose org is no local folder: a Hub name, not a mistyped local path
+        if (_HUB_NAME.fullmatch(str(path)) and path.suffix not in (".parquet", ".arrow", *_JSONL_SUFFIXES)
+                and not path.parent.exists()):
             raise UserError(f"--data {path} looks like a Hugging Face Hub name, but only local datasets are read; "
                             f"save it first: python -c \"import datasets; datasets.load_dataset('{path}', "
                             f"split='train').save_to_disk('data/{path.name}')\", then pass --data data/{path.name}")

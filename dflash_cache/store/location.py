@@ -21,7 +21,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,10 @@ class LocalCache:
 
     def __str__(self) -> str:
         return str(self.root)
+
+    def guard(self) -> AbstractContextManager[None]:
+        """Local reads make no request: their errors keep their type (see `RemoteCache.guard`)."""
+        return nullcontext()
 
     def exists(self) -> bool:
         """Whether the directory is there; UserError when something else is in its place (a file
@@ -294,11 +298,15 @@ class RemoteCache:
         except FileNotFoundError:
             return None
 
-    @_guarded
     def parquet(self, name: str, max_bytes: int, read: Callable[[Any], Any] = pq.read_table) -> Any:
-        if not self.fs.exists(self._key(name)):
-            return None
-        return read(pa.BufferReader(self._read(name, max_bytes)))
+        # Only the fetch is a request: a damaged file (pyarrow's OSError) is the caller's to name, not
+        # a storage failure.
+        data = self._fetch_if_there(name, max_bytes)
+        return None if data is None else read(pa.BufferReader(data))
+
+    @_guarded
+    def _fetch_if_there(self, name: str, max_bytes: int) -> bytes | None:
+        return self._read(name, max_bytes) if self.fs.exists(self._key(name)) else None
 
     @_guarded
     def segment_files(self, name: str) -> tuple[Found, list[str]]:

@@ -396,13 +396,15 @@ class CacheReader:
             return cached
         rec = self.record(name)
         self.check_segment(rec)
-        arr = self._open_array(_SegmentStore(self.location.zarr_store(name), self.layouts(rec)), rec, key)
+        layouts = self.layouts(rec)
+        arr = self._open_array(_SegmentStore(self.location.zarr_store(name), layouts), rec, key, layouts)
         self._open.put((name, key), arr)
         return arr
 
-    def _open_array(self, store, rec: SegmentRecord, key: str) -> zarr.Array:
+    def _open_array(self, store, rec: SegmentRecord, key: str,
+                    layouts: dict[str, ArrayLayout] | None = None) -> zarr.Array:
         """Array `key` of segment `rec` (checked) from `store`, held to the layout the writer makes."""
-        layout = self.layouts(rec).get(key)
+        layout = (layouts if layouts is not None else self.layouts(rec)).get(key)
         if layout is None:
             raise UserError(f"segment {rec.name} has no array {key!r}")
         try:
@@ -427,7 +429,8 @@ class CacheReader:
                 stop: int | None = None) -> np.ndarray:
         """Rows start:stop of an opened array, decoded (every chunk's CRC32C checked) and held to the codec."""
         try:
-            values = np.asarray(arr[start:stop])
+            with self.location.guard():  # a failed request to object storage: one line naming the URL
+                values = np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
         except ChunkClaim as e:
@@ -450,12 +453,13 @@ class CacheReader:
         rec = self.record(name)
         self.check_segment(rec)
         blobs = self.location.fetch_segment(name, rec.files)
+        layouts = self.layouts(rec)
         problems = array_problems(lambda rel: json.loads(blobs[rel]), {rel: len(b) for rel, b in blobs.items()},
-                                  self.layouts(rec), lambda rel, nbytes, size: blobs[rel][-nbytes:])
+                                  layouts, lambda rel, nbytes, size: blobs[rel][-nbytes:])
         if problems:
             raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
-        store = _SegmentStore(memory_store(blobs), self.layouts(rec))
-        return {k: self._values(self._open_array(store, rec, k), name, k) for k in keys}
+        store = _SegmentStore(memory_store(blobs), layouts)
+        return {k: self._values(self._open_array(store, rec, k, layouts), name, k) for k in keys}
 
     def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:
         """A segment as it was committed: its packed batch and its stored (encoded) feature arrays."""

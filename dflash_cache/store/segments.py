@@ -346,6 +346,8 @@ def meta_grid(meta: Any, layout: ArrayLayout) -> tuple[int, int]:
     chain = ["bytes", *codec_names(layout.compressors)]
     if _names(sharding.get("codecs")) != chain or _names(sharding.get("index_codecs")) != ["bytes", "crc32c"]:
         raise ValueError(f"codecs differ from the writer's ({chain})")
+    if sharding.get("index_location", "end") != "end":  # every check reads a shard's index from its end
+        raise ValueError("keeps its shard index at the start of the shard; the writer puts it at the end")
     shard = _shape(_conf(meta.get("chunk_grid"), "regular").get("chunk_shape"))
     chunk = _shape(sharding.get("chunk_shape"))
     if chunk is None or shard is None or chunk[1:] != want[1:] or shard[1:] != want[1:]:

@@ -234,8 +234,8 @@ def load_target(desc: TargetDescription, device: torch.device, keep: int | None 
     if keep == 0:  # the trainer needs only the embedding and the LM head
         log.info("target %s: embedding and LM head loaded (no decoder layer needed)", desc.identity.name)
     else:
-        log.info("target %s: %d of %d layers kept, capturing %s", desc.identity.name, keep,
-                 desc.identity.num_hidden_layers, desc.layer_ids)
+        log.info("target %s: %d of %d layers kept%s", desc.identity.name, keep, desc.identity.num_hidden_layers,
+                 f", capturing {desc.layer_ids}" if desc.layer_ids else "")
     return model
 
 

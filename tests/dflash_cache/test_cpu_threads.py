@@ -132,3 +132,28 @@ def test_every_command_on_the_cpu_chooses_its_threads_before_its_work(tmp_path, 
     r = CliRunner().invoke(cli, [a.format(tmp=tmp_path) for a in command])
     assert r.exit_code == 2 and "reached the thread choice" in r.output, r.output
     assert seen == [1]
+
+
+@pytest.mark.parametrize(("text", "quota"), [("400000 100000\n", 4), ("150000 100000", 2), ("max 100000", None),
+                                             ("", None)])
+def test_a_container_quota_caps_the_cores(tmp_path, monkeypatch, text, quota):
+    """A container limited to N CPUs sees every host core in its affinity; threads past N are throttled."""
+    import dflash_cache.cpu_threads as cpu_threads
+
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text)
+    assert cpu_threads._cgroup_quota(cpu_max) == quota
+    monkeypatch.setattr(cpu_threads, "CGROUP_CPU_MAX", cpu_max)
+    monkeypatch.setattr(cpu_threads, "CGROUP_V1_CPU", tmp_path / "no-v1")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(96)))
+    assert cpu_threads._allowed_cores() == (quota or 96)
+
+
+def test_a_cgroup_v1_quota_caps_the_cores_too(tmp_path):
+    import dflash_cache.cpu_threads as cpu_threads
+
+    (tmp_path / "cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_threads._cgroup_quota(tmp_path / "none", tmp_path) == 3
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_threads._cgroup_quota(tmp_path / "none", tmp_path) is None

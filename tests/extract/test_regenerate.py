@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
@@ -270,3 +271,23 @@ def test_another_jobs_parts_are_deleted_only_with_overwrite(tmp_path):
     report = regenerate(replace(cfg, overwrite=True), torch.device("cpu"))
     assert (report.rows, report.resumed_parts) == (2, 0) and not parts.exists()
     assert [json.loads(line)["messages"][0] for line in out.read_text().splitlines()] == [c[0] for c in CHATS[1:]]
+
+
+def test_a_target_too_small_to_capture_five_layers_still_regenerates(tmp_path, monkeypatch):
+    """Regeneration captures no layer, so a target of few layers is not refused for the layers
+    extraction would capture (a 6-layer target cannot give 5 distinct ones): it gets to loading."""
+    import shutil
+
+    from dflash_cache.target.tiny import TINY_DIR
+
+    model = tmp_path / "six-layers"
+    shutil.copytree(TINY_DIR, model)
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] = 6
+    config.pop("layer_types", None)
+    (model / "config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    cfg = RegenerateConfig(model=str(model), data=str(data), out=str(tmp_path / "out.jsonl"), max_new_tokens=3)
+    monkeypatch.setattr(regenerate_module, "load_target", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loads")))
+    with pytest.raises(RuntimeError, match="loads"):
+        regenerate(cfg, torch.device("cpu"))

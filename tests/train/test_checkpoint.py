@@ -174,3 +174,21 @@ def test_options_changed_on_resume_are_each_said_in_one_line(demo_cache, two_ste
     for part in ("--keep-checkpoints 3 (was 2)", "--no-compile given (was not given)", "--save-every 7 (was 10000)"):
         assert part in said[0], said[0]
     assert "--max-steps" not in said[0] and "--resume" not in said[0].split(": ", 1)[1] and "--out" not in said[0]
+
+
+def test_a_resume_that_lowers_the_anchor_cap_plans_its_static_shapes_again(demo_cache, two_step_run, tmp_path,
+                                                                            monkeypatch):
+    """On a GPU the shapes are planned before the checkpoint is read; a checkpoint whose anchor cap is
+    lower (less memory was free then) must not leave shapes for anchor counts no batch can reach."""
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    state_path = list_checkpoints(out / "checkpoints")[0] / "state.json"
+    state = json.loads(state_path.read_text())
+    state["anchor_cap"] = 40
+    state_path.write_text(json.dumps(state))
+    trainer = Trainer.build(demo_train_config(demo_cache, out, max_steps=3, resume=True), device=CPU)
+    trainer.runner.shapes = trainer.plan_shapes()  # what a run with compiled layers plans at build
+    assert max(trainer.runner.shapes.anchors) > 40
+    monkeypatch.setattr(trainer.runner, "warm_up", lambda: 0.0)
+    trainer.fit()
+    assert trainer.runner.max_anchors == 40 and max(trainer.runner.shapes.anchors) <= 40, trainer.runner.shapes

@@ -4,6 +4,7 @@ holds (and the profiler's reports); a wrong tracker name is one line before anyt
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -91,10 +92,24 @@ def test_wandb_offline_run_holds_the_last_row_and_a_resume_continues_it(demo_cac
     run_id = (out / "wandb_run_id").read_text().strip()
     runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1, list((out / "wandb").iterdir())
-    history = _wandb_history(next(runs[0].glob("run-*.wandb")))
     rows = _rows(out)
+    # W&B's own service process writes the run file: on a loaded machine its last records may land a
+    # moment after `finish` returned
+    deadline = time.monotonic() + 30
+    while len(history := _wandb_history(next(runs[0].glob("run-*.wandb")))) < len(rows) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert [(h["_step"], h["train/loss"]) for h in history] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
 
     r = _train(demo_cache, out, "--report-to", "wandb", "--resume", "--max-steps", "4")
     assert r.exit_code == 0, r.output
     assert (out / "wandb_run_id").read_text().strip() == run_id, "the resumed run reports to the same W&B run"
+
+
+def test_a_refused_run_opens_no_tracker(demo_cache, tmp_path):
+    """Trackers open once the run passed its checks: a run refused over existing checkpoints writes no
+    tracker files (and would start no W&B run)."""
+    out = tmp_path / "run"
+    assert _train(demo_cache, out).exit_code == 0
+    r = _train(demo_cache, out, "--report-to", "tensorboard")  # no --resume: refused
+    assert r.exit_code == 2 and "already holds checkpoints" in r.output, r.output
+    assert not (out / "tensorboard").exists()

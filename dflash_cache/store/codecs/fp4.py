@@ -14,16 +14,16 @@ Layout: `x` is bf16 `[T, L*H]`; columns `[l*H:(l+1)*H]` belong to layer `l`. Sto
   ``[T, L]``, each a power of two (NVFP4's two levels: e4m3 alone cannot reach massive-activation magnitudes), or
   ``bf16`` bits, which needs no second level.
 * with ``outliers = k > 0``: ``outlier_idx`` ``[T, L*k]`` (channel within its layer) and
-  ``outlier_val`` bf16 bits ``[T, L*k]``.
-
-The 16-bit arrays are stored as uint16 (`fp4_arrays`); `quantize_fp4` returns them as int16 tensors
-(torch has no uint16 arithmetic) holding the same bits, and `dequantize_fp4` takes either view. Indices are per token; massive-activation channels are
+  ``outlier_val`` bf16 bits ``[T, L*k]``. Indices are per token; massive-activation channels are
   fixed, so the rows repeat and zstd shrinks them (~2.7x measured on synthetic 5 x 4096).
 * with ``sign_xor``, ``codes`` hold each layer's sign bit XOR the previous layer's at the same
   channel (`xor_layer_signs`; lossless, the dequantised values are the same bits).
 * with ``per_layer``, the codes and ``scales`` are stored as one array per layer l, e.g.
   ``sign_xor_codes_l`` ``[T, H/2]`` and ``scales_l`` ``[T, H/G]`` (`Fp4Config.split_keys`), so
   zstd fits each layer its own Huffman table (lossless).
+
+The 16-bit arrays are stored as uint16 (`fp4_arrays`); `quantize_fp4` returns them as int16 tensors
+(torch has no uint16 arithmetic) holding the same bits, and `dequantize_fp4` takes either view.
 
 Quantisation: outlier positions are zeroed in the body; ``s = amax(group) * fl(1/6)`` rounded to
 the scale format (nearest; e4m3 relative to a power-of-two row scale); ``code = rne_e2m1(clamp(x /

@@ -224,6 +224,9 @@ def test_a_hub_name_says_that_only_local_datasets_are_read_and_how_to_save_one(t
         open_dataset(Path("HuggingFaceH4/ultrachat_200k"))
     with _one_line_error("dataset path data/rows.parquet does not exist"):  # a missing file is just missing
         open_dataset(Path("data/rows.parquet"))
+    (tmp_path / "data").mkdir()
+    with _one_line_error("dataset path data/sharegpt does not exist"):  # a local folder's typo, not a Hub name
+        open_dataset(Path("data/sharegpt"))
 
 
 def test_bad_paths(tmp_path: Path) -> None:

@@ -257,6 +257,7 @@ def test_chunk_bomb_is_refused_before_reading(tmp_path):
     (lambda m: m.update(data_type="float64"), r"is float64\[60, 64\], expected uint16"),
     (lambda m: _sharding(m)["codecs"].pop(), "codecs differ from the writer's"),  # no CRC32C
     (lambda m: _sharding(m)["index_codecs"].pop(), "codecs differ from the writer's"),
+    (lambda m: _sharding(m).update(index_location="start"), "shard index at the start"),
     (lambda m: m.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}]), "sharding_indexed"),
     (lambda m: m["chunk_key_encoding"]["configuration"].update(separator="."), "chunk key encoding"),
     (lambda m: m.update(storage_transformers=[{"name": "x"}]), "storage transformer"),

@@ -158,3 +158,20 @@ def test_a_request_that_fails_mid_read_is_one_line(s3, monkeypatch):
     _, local = s3
     with pytest.raises(UserError, match=r"manifest.json is a file, not a cache directory; pass the directory"):
         CacheReader(local / "manifest.json")
+
+
+def test_a_damaged_parquet_on_object_storage_is_damage_not_a_storage_failure():
+    """Only fetching is a request: a file that arrives whole but does not parse must reach the
+    callers that name it as damaged (and rebuild the index), not the 'check the URL' line."""
+    import fsspec
+    import pyarrow as pa
+
+    from dflash_cache.store.location import RemoteCache
+
+    damaged = b"PAR1" + b"\x07" * 20 + (10).to_bytes(4, "little") + b"PAR1"  # a footer that does not parse: OSError
+    fsspec.filesystem("memory").pipe("/damaged-bucket/c/index.parquet", damaged)
+    location = RemoteCache("memory://damaged-bucket/c")
+    with pytest.raises((OSError, pa.ArrowException)) as e:
+        location.parquet("index.parquet", 1 << 20)
+    assert not isinstance(e.value, UserError), e.value
+    assert location.parquet("plan.parquet", 1 << 20) is None
