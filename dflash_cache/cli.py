@@ -139,10 +139,10 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
     )
     from dflash_cache.train.drafter import FrozenTargetHead
     from dflash_cache.train.export import check_target, read_export
+    from dflash_cache.train.serving import export_dir_of
     from dflash_cache.train.speculative import evaluate, load_prompts
 
-    path = Path(drafter)
-    path = path / "export" if (path / "export" / "config.json").is_file() else path
+    path = export_dir_of(Path(drafter))
     if not (path / "config.json").is_file():
         raise UserError(f"--drafter {drafter}: no exported drafter (config.json) there; pass a run or export directory")
     dev = resolve_device(device)

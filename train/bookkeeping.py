@@ -17,6 +17,7 @@ from tqdm import tqdm
 from dflash_cache.errors import UserError
 from dflash_cache.train.checkpoint import last_checkpoint
 from dflash_cache.train.metrics_log import MetricsLog
+from dflash_cache.train.run_directory import CHECKPOINTS_DIR, METRICS_FILE
 
 if TYPE_CHECKING:
     from dflash_cache.train.checkpointer import CheckpointParts
@@ -40,7 +41,7 @@ class Bookkeeper:
         step = parts.progress.step
         self.bar = tqdm(total=parts.schedule.total_steps, initial=step, unit="step", dynamic_ncols=True,
                         disable=not (cfg.progress and place.rank == 0))
-        self.metrics = MetricsLog(Path(cfg.out) / "metrics.jsonl", place.device, slots=cfg.block_size - 1,
+        self.metrics = MetricsLog(Path(cfg.out) / METRICS_FILE, place.device, slots=cfg.block_size - 1,
                                   rank=place.rank, world=place.world, sinks=[row_sink] if row_sink is not None else [])
         self.window: list[dict[str, torch.Tensor]] = []
         self.tokens = 0  # in the window
@@ -106,7 +107,7 @@ class Bookkeeper:
         """A UserError when the newest row says --nonfinite-limit steps in a row were skipped."""
         row = self.metrics.last
         if row.get("skip_run", 0) >= self.cfg.nonfinite_limit:
-            last = last_checkpoint(Path(self.cfg.out) / "checkpoints")
+            last = last_checkpoint(Path(self.cfg.out) / CHECKPOINTS_DIR)
             raise UserError(f"{row['skip_run']} steps in a row up to step {row['step']} had gradients that are not "
                             f"finite (each skipped); {last}: check the data (`dflash-cache inspect --verify`), or "
                             "train again with a lower --lr")

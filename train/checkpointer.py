@@ -36,6 +36,7 @@ from dflash_cache.train.checkpoint import (
 )
 from dflash_cache.train.parts import DrafterParts, Progress, RngStates, Schedule
 from dflash_cache.train.place import Place
+from dflash_cache.train.run_directory import CHECKPOINTS_DIR
 from dflash_cache.train.source import Source
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Checkpointer:
 
     def __init__(self, cfg: TrainConfig, parts: CheckpointParts, place: Place) -> None:
         self.cfg, self.parts, self.place = cfg, parts, place
-        self.directory = Path(cfg.out) / "checkpoints"
+        self.directory = Path(cfg.out) / CHECKPOINTS_DIR
 
     @cached_property
     def identity(self) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from dflash_cache.train.parts import Progress, RngStates, drafter_parts, lr_fact
 from dflash_cache.train.place import Place
 from dflash_cache.train.precision import Precision
 from dflash_cache.train.run_config import TrainConfig
+from dflash_cache.train.run_directory import CHECKPOINTS_DIR, EXPORT_DIR, METRICS_FILE
 from dflash_cache.train.run_directory import tidy as tidy_run_directory
 from dflash_cache.train.source import Source
 from dflash_cache.train.static_shapes import ShapeBuckets, planned_batches
@@ -218,7 +219,7 @@ class Trainer:
             self.runner.shapes = self.plan_shapes()
         self._open_trackers()
         if self.place.rank == 0:
-            truncate_metrics(self.out / "metrics.jsonl", self.step)
+            truncate_metrics(self.out / METRICS_FILE, self.step)
             if self.validation is not None:
                 log.info("evaluation: %s", self.validation.describe())
         book = Bookkeeper(cfg, self.checkpointer.parts, self.place,
@@ -261,7 +262,7 @@ class Trainer:
         self.save()
         if self.place.rank == 0:
             try:
-                export_drafter(self.model, self.model.cfg, self.out / "export", target=self.target)
+                export_drafter(self.model, self.model.cfg, self.out / EXPORT_DIR, target=self.target)
             except OSError as e:  # a full disk: the checkpoint just saved holds the same weights
                 raise write_error(e, f"writing the export to {self.out / 'export'}",
                                   "run the same command with --resume to export again") from None
@@ -350,7 +351,7 @@ def train(cfg: TrainConfig, device: str = "auto", gpus: str | None = None) -> di
             # OUT/config.yaml: what `train --config` runs again (a refused run puts back the one before).
             where = {"device": device} if gpus is None else {"gpus": gpus}
             record = run_config_written(Path(cfg.out), "train", cfg, **where,
-                                        progress=lambda: list_checkpoints(Path(cfg.out) / "checkpoints")[:1])
+                                        progress=lambda: list_checkpoints(Path(cfg.out) / CHECKPOINTS_DIR)[:1])
             with record if rank == 0 else contextlib.nullcontext():
                 return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
         finally:
