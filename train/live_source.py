@@ -113,9 +113,7 @@ class LiveSource(PlannedSource):
             self.tee.close()
 
     def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
-        epoch, first = start.epoch, start.batch
-        while epochs is None or epoch < epochs:
-            plan = self.epoch_batches(epoch, first)
+        for epoch, first, plan in self.epoch_plans(start, epochs):
             # Closed explicitly: a consumer that stops early must find the workers stopped and
             # joined, not still running forwards that the next source would race with.
             with contextlib.closing(self._run_epoch(plan)) as made_batches:
@@ -127,7 +125,6 @@ class LiveSource(PlannedSource):
                     if self.tee is not None and epoch == 0:  # the batch's global index in the epoch
                         self.tee(first + i * self.world + self.rank, made.batch, made.ready)
                     yield position_after(epoch, first, i, self.world), made.batch
-            epoch, first = epoch + 1, 0
 
     def _run_epoch(self, plan: list[np.ndarray]) -> Iterator[tuple[int, _Made]]:
         n = len(self.targets.captures)

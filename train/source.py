@@ -77,17 +77,22 @@ class PlannedSource:
     def longest_sample(self) -> int:
         return int(self.table.lengths.max(initial=0))
 
-    def planned(self, start: Position, epochs: int | None) -> Iterator[tuple[Position, np.ndarray]]:
-        """(position after the batch, its rows) of this rank from the global position `start` on,
-        epoch after epoch; nothing if no epoch plans a batch."""
+    def epoch_plans(self, start: Position, epochs: int | None) -> Iterator[tuple[int, int, list[np.ndarray]]]:
+        """(epoch, its first global batch, this rank's batches of it from there) from `start` on, epoch after
+        epoch; nothing if no epoch plans a batch (every epoch plans the same number)."""
         epoch, first = start.epoch, start.batch
         while epochs is None or epoch < epochs:
             plan = self.epoch_batches(epoch, first)
-            if not plan and first == 0:  # every epoch plans the same number of batches: none ever
+            if not plan and first == 0:
                 return
+            yield epoch, first, plan
+            epoch, first = epoch + 1, 0
+
+    def planned(self, start: Position, epochs: int | None) -> Iterator[tuple[Position, np.ndarray]]:
+        """(position after the batch, its rows) of this rank from the global position `start` on."""
+        for epoch, first, plan in self.epoch_plans(start, epochs):
             for i, rows in enumerate(plan):
                 yield position_after(epoch, first, i, self.world), rows
-            epoch, first = epoch + 1, 0
 
     def advance(self, position: Position) -> None:
         """Training has taken the batches up to `position` (the one `iterate` gave with the batch)."""

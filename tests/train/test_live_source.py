@@ -137,6 +137,19 @@ def test_a_failing_target_worker_ends_the_run_with_its_error():
     assert "target worker on cpu failed" in result["error"] and "simulated CUDA error" in result["error"]
 
 
+def test_a_plan_of_no_batches_ends_even_an_endless_iteration():
+    """No epoch plans a batch (every sample under --min-supervised): iterating without an epoch limit
+    gives nothing, at once, as the cache source does; it used to spin through empty epochs forever."""
+    source = live_source()
+    source.config = SourceConfig(token_budget=2048, min_supervised=10**6, seed=3)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(batches=list(source.iterate(Position(0, 0)))), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "an empty plan kept the live source looping"
+    assert result["batches"] == []
+
+
 def test_stopping_early_stops_and_joins_the_target_workers():
     """A consumer that stops mid-epoch leaves no worker running forwards: a later source sharing the
     target would otherwise race with it (on a GPU, out-of-bounds gathers in the capture hooks)."""
