@@ -121,9 +121,7 @@ class StepRunner:
         layout), the static shape it runs (if the layers are compiled), its context and masks."""
         cfg = self.cfg
         with self.profiler.span("dflash.anchors"):
-            blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                                    max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
-                                    generator=self.rng.generator)
+            blocks = self.anchors(batch, self.rng.generator)
         shape = None
         if self.shapes is not None:
             shape = self.shapes.shape_for(batch.num_tokens, blocks.num_anchors)
@@ -132,6 +130,12 @@ class StepRunner:
                 shape = self.shapes.shape_for(batch.num_tokens, blocks.num_anchors)
                 log.info("a batch of %d anchors fits no static shape: adding one of %s", blocks.num_anchors, shape)
         return self.step_inputs(batch, blocks, shape=shape, profiler=self.profiler)
+
+    def anchors(self, batch: PackedBatch, generator: torch.Generator) -> Blocks:
+        """The run's anchor draw (its block size, anchor count and cap) from `generator`."""
+        return sample_anchors(batch, block_size=self.cfg.block_size, num_anchors=self.cfg.num_anchors,
+                              max_anchors=self.max_anchors, mask_token_id=self.drafter_cfg.mask_token_id,
+                              generator=generator)
 
     def step_inputs(self, batch: PackedBatch, blocks: Blocks, *, shape: Shape | None,
                     profiler: StageProfiler) -> StepInputs:

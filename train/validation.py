@@ -31,7 +31,6 @@ from dflash_cache.profiler import StageProfiler
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.store.location import is_url
-from dflash_cache.train.anchors import sample_anchors
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.live_source import LiveSource
@@ -183,10 +182,7 @@ class Validation:
 def _batch_sums(runner: StepRunner, batch: PackedBatch, index: int) -> torch.Tensor:
     """One held-out batch's part of `Validation.run`'s sums, on the device (timed by no profiler:
     the run's times training alone)."""
-    cfg = runner.cfg
-    blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-                            max_anchors=runner.max_anchors, mask_token_id=runner.drafter_cfg.mask_token_id,
-                            generator=torch.Generator().manual_seed(ANCHOR_SEED + index))
+    blocks = runner.anchors(batch, torch.Generator().manual_seed(ANCHOR_SEED + index))
     # Padded to one of the run's static shapes where one fits, so that the masks are built for shapes the
     # run has seen; the layers run eagerly (uncompiled): their compiled graphs were built for training
     # (gradients on), and a forward under no_grad would compile every one of them again. Eager is the
