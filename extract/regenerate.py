@@ -15,11 +15,16 @@ Work is kept in parts: every `--part-rows` input rows become one file in `OUT.pa
 atomically, beside `params.json` (the data's, the target's and the settings' identities). A stopped
 run, started again with the same command, skips the finished parts; parts of other data, target or
 settings are refused, naming what differs (`--overwrite` deletes them). When every part is there
-they are joined into OUT (written beside it, then renamed: the file appears only when complete),
-then `OUT.done` records what OUT is (those identities and its size) and the parts are removed.
-That record is how a rerun tells a finished job (nothing to do) from an OUT it must not replace
-(another job's, or one it did not write): that is refused unless `--overwrite`, before the target
-loads and before anything is written.
+they are joined into OUT (written in `OUT.parts/`, then renamed: the file appears only when
+complete), then `OUT.done` records what OUT is (those identities and its size) and the parts are
+removed. That record is how a rerun tells a finished job (nothing to do) from an OUT it must not
+replace (another job's, or one it did not write): that is refused unless `--overwrite`, before the
+target loads and before anything is written.
+
+A run holds `OUT.lock` (an flock, as extract holds a cache's) from start to end, so two runs never
+write one OUT or its parts at once; the second is refused naming the first. Every temporary file is
+made in `OUT.parts/`, which only the lock's holder writes: a run killed mid-write leaves its
+temporaries there, and the next run removes them before it joins (a full-size OUT among them).
 """
 
 from __future__ import annotations
@@ -55,11 +60,14 @@ from dflash_cache.errors import UserError
 from dflash_cache.files import (
     fsync_path,
     read_json,
+    remove_tmp_files,
     tmp_path_for,
     write_bytes_atomic,
     write_json_atomic,
 )
 from dflash_cache.options import check_options, option
+from dflash_cache.store.layout import LOCK_FILE
+from dflash_cache.store.lock import CacheLock
 from dflash_cache.target.generation import cut_at_stop, greedy_complete
 from dflash_cache.target.model import DTYPES, TargetDescription, TargetSpec, identify_target, load_target
 
@@ -118,12 +126,24 @@ def part_path(parts: Path, start: int, stop: int) -> Path:
     return parts / f"part-{start:012d}-{stop:012d}.jsonl"
 
 
+def out_lock(out: Path) -> CacheLock:
+    """The lock a run holds on OUT and its parts: `OUT.lock`, gone when the run ends."""
+    return CacheLock(out.parent, name=out.name + LOCK_FILE, what="--out", guards=out, keep=False)
+
+
 def regenerate(cfg: RegenerateConfig, device: torch.device,
                echo: Callable[[str], None] = log.info) -> RegenerateReport:
-    """The whole job; `echo` shows its result line (logged by default; the CLI passes click.echo)."""
+    """The whole job, under OUT's lock; `echo` shows its result line (logged by default; the CLI
+    passes click.echo)."""
     out = Path(cfg.out)
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; give the JSONL file to write")
+    with out_lock(out):
+        return _regenerate(cfg, out, device, echo)
+
+
+def _regenerate(cfg: RegenerateConfig, out: Path, device: torch.device,
+                echo: Callable[[str], None]) -> RegenerateReport:
     source = open_source(Path(cfg.data))
     if MESSAGES not in source.columns:
         raise UserError(f"--data {cfg.data} has no {MESSAGES!r} column, so there is no conversation to regenerate")
@@ -143,6 +163,8 @@ def regenerate(cfg: RegenerateConfig, device: torch.device,
     rows = source.num_rows if cfg.limit is None else min(cfg.limit, source.num_rows)
     ranges = [(a, min(rows, a + cfg.part_rows)) for a in range(0, rows, cfg.part_rows)]
     resuming = _open_parts(parts, params, cfg.overwrite)  # the first write of the job
+    if leftovers := remove_tmp_files(parts):  # the lock is ours: no live run is writing them
+        log.info("removed %d temporary file(s) of a stopped run from %s", len(leftovers), parts)
     todo = [(a, b) for a, b in ranges if not (resuming and part_path(parts, a, b).is_file())]
     report, t0 = RegenerateReport(resumed_parts=len(ranges) - len(todo)), time.perf_counter()
     rate = ""
@@ -160,8 +182,10 @@ def regenerate(cfg: RegenerateConfig, device: torch.device,
                                    _generate_part(model, encoder, source, a, b, cfg, pad, stops, report, progress))
         rate = f"{report.tokens / max(time.perf_counter() - progress.t0, 1e-9):,.0f} tok/s, "
     report.rows = _join(out, [part_path(parts, a, b) for a, b in ranges])
-    write_json_atomic(record_path(out), {"params": _output_params(params), "rows": report.rows,
-                                         "bytes": out.stat().st_size})
+    record = parts / record_path(out).name  # written among the parts, then renamed beside OUT
+    write_json_atomic(record, {"params": _output_params(params), "rows": report.rows, "bytes": out.stat().st_size})
+    os.replace(record, record_path(out))
+    fsync_path(out.parent)
     shutil.rmtree(parts)
     report.seconds = time.perf_counter() - t0
     echo(f"wrote {out}: {report.rows} conversations; this run regenerated {report.turns} assistant turns "
@@ -265,9 +289,10 @@ def _open_parts(parts: Path, params: dict[str, Any], overwrite: bool) -> bool:
 
 
 def _join(out: Path, paths: list[Path]) -> int:
-    """Concatenate the parts into `out` atomically; returns the number of conversations. Its old
-    completion record goes first, so that no moment has a record that does not describe OUT."""
-    tmp = tmp_path_for(out)
+    """Concatenate the parts into `out` atomically (written among them, then renamed); returns the
+    number of conversations. Its old completion record goes first, so that no moment has a record
+    that does not describe OUT."""
+    tmp = tmp_path_for(parts_dir(out) / out.name)
     count = 0
     try:
         with open(tmp, "wb") as f:

@@ -238,7 +238,9 @@ class RemoteCache:
     def _json_files(self, keys: dict[str, int | None], max_bytes: int) -> Callable[[str], Any]:
         """JSON objects fetched all at once by concurrent requests, those over `max_bytes` (as the
         listing's size says) left out; `keys` maps each key to its size. The loader returned parses
-        one by key, raising ValueError (too big, not JSON) or OSError (its request failed)."""
+        one by key, raising ValueError (too big, not JSON) or OSError (the object is gone): damage
+        its callers name. Its request failing otherwise is the storage's one line, as in `guard`
+        (the loader runs outside it)."""
         wanted = [k for k, size in keys.items() if (size or 0) <= max_bytes]
         fetched = self.fs.cat(wanted, on_error="return") if wanted else {}
 
@@ -246,8 +248,11 @@ class RemoteCache:
             if (keys[key] or 0) > max_bytes:
                 raise ValueError(f"{keys[key]} bytes, more than the {max_bytes} it may hold")
             data = fetched.get(key)
-            if data is None or isinstance(data, BaseException):
+            if data is None or isinstance(data, FileNotFoundError):
                 raise OSError(str(data) if data is not None else "missing")
+            if isinstance(data, BaseException):
+                with self.guard():
+                    raise data
             try:
                 return json.loads(data)
             except RecursionError:
@@ -333,16 +338,21 @@ class RemoteCache:
     def fetch_segment(self, name: str, files: dict[str, int]) -> dict[str, bytes]:
         """Every file a segment's record lists, fetched by concurrent requests (one round trip's
         latency for the whole segment, where zarr would ask for each shard's index, then its chunks);
-        CacheCorruptError for a missing object or one of another size than the record says."""
+        CacheCorruptError for a missing object or one of another size than the record says. A request
+        that failed otherwise (a timeout, a refusal, a server error) says nothing about the cache: it
+        is the storage's one line (`storage_error`), so that verify does not call a sound segment
+        damaged and training does not read on without it."""
         prefix = self._key(segment_rel(check_segment_name(name)))
         keys = {f"{prefix}/{rel}": rel for rel in files}
         fetched = self.fs.cat(list(keys), on_error="return") if keys else {}
         blobs: dict[str, bytes] = {}
         for key, rel in keys.items():
             data = fetched.get(key)
-            if data is None or isinstance(data, BaseException):
+            if data is None or isinstance(data, FileNotFoundError):
                 raise CacheCorruptError(f"segment {name}: {rel} cannot be read ({data or 'missing'}); copy the cache "
                                         "again or re-run extract")
+            if isinstance(data, BaseException):
+                raise data  # a failed request: `guard` makes it the storage's one line (anything else is a bug)
             if len(data) != files[rel]:
                 raise CacheCorruptError(f"segment {name}: {rel} is {len(data)} bytes, its record says {files[rel]}")
             blobs[rel] = data

@@ -4,7 +4,10 @@ on a training run's directory, so two trainings never write one run).
 The lock is an flock on `root/.lock`. A run that is refused or fails leaves nothing behind: if it
 created the lock file (and the directory) itself, both are removed again on the way out. Because
 lock files can be removed, a holder checks after locking that the path still names the file it
-locked (otherwise two processes could hold locks on two different files of one name).
+locked (otherwise two processes could hold locks on two different files of one name). That also
+makes it safe for a holder to remove the lock file on its way out (`keep=False`: a lock beside a
+user's own file, such as `regenerate`'s, should not outlive the run). A lock file left by a killed
+process never blocks: the kernel drops a dead process's flock.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ class CacheLock:
     """`with CacheLock(root):` holds an flock on root/.lock; a second holder fails at once.
 
     `flag` names the option that chose `root`, for the error messages (None: no option did), and
-    `what` what `root` is."""
+    `what` what `guards` is (the path the lock is for, `root` by default). With `keep=False` the
+    lock file goes when the lock does, however the run ends."""
 
-    def __init__(self, root: Path, name: str = LOCK_FILE, *, flag: str | None = "--out", what: str = "cache") -> None:
+    def __init__(self, root: Path, name: str = LOCK_FILE, *, flag: str | None = "--out", what: str = "cache",
+                 guards: Path | None = None, keep: bool = True) -> None:
         self.path = root / name
         self.flag, self.what = flag, what
+        self.guards = root if guards is None else guards
+        self.keep = keep
         self._fd: int | None = None
         self._made_dir = False
         self._made_file = False
@@ -71,7 +78,7 @@ class CacheLock:
                 self._made_file = False  # someone else's file now
                 holder = self.path.read_text().strip() or "another process"
                 other = f" or choose another {self.flag}" if self.flag else ""
-                raise UserError(f"{self.what} {self.path.parent} is being written by {holder}; wait for it to "
+                raise UserError(f"{self.what} {self.guards} is being written by {holder}; wait for it to "
                                 f"finish{other}") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -83,8 +90,9 @@ class CacheLock:
             self._made_file = False
 
     def _release(self, *, remove: bool) -> None:
-        """Unlock; with `remove`, first delete the lock file and directory if this lock created them."""
-        if remove and self._made_file:
+        """Unlock; with `remove`, first delete the lock file and directory if this lock created them
+        (and the lock file when it is not kept, if this lock holds it)."""
+        if (remove and self._made_file) or (not self.keep and self._fd is not None):
             self.path.unlink(missing_ok=True)  # while still locked, so nobody locks it in between
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -98,5 +106,6 @@ class CacheLock:
         self._made_file = self._made_dir = False
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        """A failed or refused run takes back the lock file and directory it created."""
+        """A failed or refused run takes back the lock file and directory it created (the lock file
+        goes in any case when it is not kept)."""
         self._release(remove=exc_type is not None)

@@ -291,3 +291,96 @@ def test_a_target_too_small_to_capture_five_layers_still_regenerates(tmp_path, m
     monkeypatch.setattr(regenerate_module, "load_target", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loads")))
     with pytest.raises(RuntimeError, match="loads"):
         regenerate(cfg, torch.device("cpu"))
+
+
+def test_a_second_run_on_the_same_out_is_refused_while_the_first_runs(tmp_path, monkeypatch):
+    """Two runs of one job at once would interleave their writes to OUT and its parts: while one is
+    generating, the same command is refused in one line naming that run (its pid) and what to do,
+    before the target loads and without touching a file; the first then finishes as if alone and
+    leaves no lock file behind."""
+    import os
+    import threading
+
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=3, dtype="float32",
+                           progress=False)
+    alone = tmp_path / "alone" / "regen.jsonl"
+    regenerate(replace(cfg, out=str(alone)), torch.device("cpu"))
+    generating, go_on = threading.Event(), threading.Event()
+    real = regenerate_module.greedy_complete
+
+    def paused(*args, **kwargs):  # the first run waits in its first generation; any other run goes on
+        if threading.current_thread().name == "first run":
+            generating.set()
+            assert go_on.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regenerate_module, "greedy_complete", paused)
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(regenerate(cfg, torch.device("cpu"))), name="first run")
+    first.start()
+    try:
+        assert generating.wait(60), "the first run never started generating"
+        files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        with monkeypatch.context() as m:
+            forbid_loading_the_target(m)
+            r = CliRunner().invoke(cli, cli_args(cfg))
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    finally:
+        go_on.set()
+        first.join(60)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    line = r.output.strip()
+    assert "\n" not in line and str(out) in line and f"pid {os.getpid()}" in line, line
+    assert "wait for it to finish or choose another --out" in line, line
+    assert len(results) == 1 and results[0].rows == 2
+    assert out.read_text() == alone.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "chat.jsonl", "regen.jsonl", "regen.jsonl.done"]
+
+
+def test_a_run_killed_in_its_final_join_is_finished_by_the_next(tmp_path, monkeypatch):
+    """Killed (SIGKILL: no clean-up runs) after joining the parts and before renaming the result over
+    OUT: its temporary copy of OUT and its lock file stay. The same command again is not blocked by
+    the dead run's lock, needs no target, removes the dead run's temporaries before it joins (one
+    may be as large as OUT) and writes what an uninterrupted run writes; nothing else is left."""
+    import dataclasses
+    import signal
+    import subprocess
+    import sys
+
+    data = write_jsonl(tmp_path / "chat.jsonl", CHATS[1:])
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenerateConfig(model="tiny", data=str(data), out=str(out), max_new_tokens=3, part_rows=1,
+                           dtype="float32", progress=False)
+    straight = tmp_path / "straight" / "regen.jsonl"
+    regenerate(replace(cfg, out=str(straight)), torch.device("cpu"))
+    killed_in_the_join = (
+        "import json, os, signal, sys\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from dflash_cache.extract.regenerate import RegenerateConfig, regenerate\n"
+        "cfg = RegenerateConfig(**json.loads(sys.argv[1]))\n"
+        "rename = os.replace\n"
+        "def replace(src, dst):\n"
+        "    if Path(dst) == Path(cfg.out):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    rename(src, dst)\n"
+        "os.replace = replace\n"
+        "regenerate(cfg, torch.device('cpu'))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", killed_in_the_join, json.dumps(dataclasses.asdict(cfg))],
+                            stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    assert not out.exists() and len(list(tmp_path.rglob(f"*.{proc.pid}.tmp"))) == 1
+    assert (tmp_path / "regen.jsonl.lock").read_text() == f"pid {proc.pid}", "the killed run held OUT's lock"
+    forbid_loading_the_target(monkeypatch)
+    join, at_join = regenerate_module._join, []
+    monkeypatch.setattr(regenerate_module, "_join",
+                        lambda *a: at_join.append(sorted(p.name for p in tmp_path.rglob("*.tmp"))) or join(*a))
+    report = regenerate(cfg, torch.device("cpu"))
+    assert at_join == [[]], "the dead run's temporaries were still there when the join began"
+    assert (report.rows, report.resumed_parts) == (2, 2)
+    assert out.read_text() == straight.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "regen.jsonl", "regen.jsonl.done", "straight"]

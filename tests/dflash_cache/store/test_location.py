@@ -175,3 +175,85 @@ def test_a_damaged_parquet_on_object_storage_is_damage_not_a_storage_failure():
         location.parquet("index.parquet", 1 << 20)
     assert not isinstance(e.value, UserError), e.value
     assert location.parquet("plan.parquet", 1 << 20) is None
+
+
+def _failing_requests(monkeypatch, key_end: str, failure: BaseException) -> None:
+    """Every request for an object whose key ends with `key_end` fails with `failure` (the rest reach
+    the server): how s3fs reports a timeout, a refused connection, a refusal or a 5xx after its retries."""
+    import s3fs
+
+    fetch = s3fs.S3FileSystem._cat_file
+
+    async def cat_file(self, path, *args, **kwargs):
+        if path.endswith(key_end):
+            raise failure
+        return await fetch(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", cat_file)
+
+
+FAILED_REQUESTS = {
+    "timeout": TimeoutError("Read timeout on endpoint URL"),
+    "refused": ConnectionRefusedError(111, "Connection refused"),
+    "forbidden": PermissionError("Access Denied"),
+    "server error": OSError(5, "We encountered an internal error. Please try again."),
+}
+
+
+@pytest.mark.parametrize("failure", FAILED_REQUESTS.values(), ids=FAILED_REQUESTS.keys())
+def test_an_object_that_cannot_be_fetched_is_a_storage_failure_not_damage(s3, monkeypatch, failure):
+    """One shard object whose request fails: reading the segment (as verify does) stops with the
+    storage's one line, not CacheCorruptError; `inspect --verify` exits 2 with that line and reports
+    no damage, so it sends nobody to repair a sound cache."""
+    url = f"s3://{BUCKET}/demo"
+    name = CacheReader(url).records[2].name
+    _failing_requests(monkeypatch, f"/segments/{name}/features/c/0/0", failure)
+    storage_line = rf"^cannot read the cache at {url}: .+; check the URL .*AWS_ENDPOINT_URL\), then run the same"
+    for read in (lambda: CacheReader(url).read_segment(name), lambda: verify(CacheReader(url))):
+        with pytest.raises(UserError, match=storage_line) as e:
+            read()
+        assert not isinstance(e.value, CacheCorruptError) and "\n" not in str(e.value)
+    r = CliRunner().invoke(cli, ["inspect", url, "--verify"])
+    assert r.exit_code == 2, r.output
+    assert r.output.splitlines()[-1].startswith(f"Error: cannot read the cache at {url}: "), r.output
+    assert "damaged" not in r.output and "repair" not in r.output, r.output
+
+
+def test_an_object_gone_when_fetched_is_still_damage(s3, monkeypatch):
+    """The other side of the line: an object listed but missing when fetched (NoSuchKey) is damage,
+    named with its segment, and verify reports it as such."""
+    url = f"s3://{BUCKET}/demo"
+    name = CacheReader(url).records[2].name
+    _failing_requests(monkeypatch, f"/segments/{name}/features/c/0/0", FileNotFoundError("The specified key does "
+                                                                                           "not exist."))
+    with pytest.raises(CacheCorruptError, match=rf"segment {name}: features/c/0/0 cannot be read"):
+        CacheReader(url).read_segment(name)
+    problems = verify(CacheReader(url))
+    assert len(problems) == 1 and problems[0].startswith(f"segment {name}"), problems
+
+
+@pytest.mark.parametrize("key", ["commits/{name}.json", "segments/{name}/features/zarr.json"])
+def test_a_record_or_array_metadata_that_cannot_be_fetched_is_a_storage_failure(s3, monkeypatch, key):
+    """The JSON objects fetched together (commit records when the cache opens, an array's metadata
+    when its segment is checked) are held to the same line: a failed request is not an 'unreadable'
+    record or 'damaged' segment."""
+    url = f"s3://{BUCKET}/demo"
+    name = CacheReader(url).records[1].name
+    _failing_requests(monkeypatch, key.format(name=name), TimeoutError("Read timeout on endpoint URL"))
+    with pytest.raises(UserError, match=rf"^cannot read the cache at {url}: Read timeout") as e:
+        CacheReader(url).check_segment(CacheReader(url).record(name))
+    assert not isinstance(e.value, CacheCorruptError)
+
+
+def test_training_stops_on_an_object_it_cannot_fetch(s3, tmp_path, monkeypatch):
+    """Training from the bucket stops with the storage's line when a request fails: it neither reads on
+    without the segment nor calls the cache damaged."""
+    from dflash_cache.train.trainer import Trainer
+    from tools.make_demo_drafter import demo_train_config
+
+    url = f"s3://{BUCKET}/demo"
+    _failing_requests(monkeypatch, "/features/zarr.json", PermissionError("Access Denied"))
+    with pytest.raises(UserError, match=rf"^cannot read the cache at {url}: Access Denied") as e:
+        Trainer.build(demo_train_config(url, tmp_path / "run", max_steps=3, log_every=1),
+                      device=torch.device("cpu")).fit()
+    assert not isinstance(e.value, CacheCorruptError)
