@@ -81,9 +81,7 @@ def cache_parts(cfg: TrainConfig, place: Place) -> Parts:
     m = reader.manifest
     target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
                                         trust_remote_code=cfg.trust_remote_code))
-    check_manifest(m, target_config_hash=target.identity.config_hash, layer_ids=tuple(target.layer_ids),
-                   hidden_size=target.hidden_size, vocab_size=target.identity.vocab_size,
-                   weights_fingerprint=target.identity.weights_fingerprint, target=target.identity)
+    check_manifest(m, target=target.identity, layer_ids=tuple(target.layer_ids), hidden_size=target.hidden_size)
     source = CacheSource(reader, source_config(cfg), place)
     return Parts(source, *_drafter_and_head(cfg, target, place.device), target.identity)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_cache.errors import UserError
 from dflash_cache.store.batch import HostBatch, PackedBatch, concatenate
 from dflash_cache.store.codecs import numpy_to_torch
 from dflash_cache.store.manifest import Manifest, TargetIdentity
 from dflash_cache.store.reader import CacheReader
+from dflash_cache.target.identity import TargetRecord
 from dflash_cache.train.epoch_plan import Position, SampleTable, SourceConfig
 from dflash_cache.train.place import Place
 from dflash_cache.train.source import PlannedSource
@@ -134,26 +134,14 @@ class _HostRead:
     tensors: dict[str, torch.Tensor]
 
 
-def check_manifest(manifest: Manifest, *, target_config_hash: str | None, layer_ids: tuple[int, ...],
-                   hidden_size: int, vocab_size: int, weights_fingerprint: str | None = None,
-                   target: TargetIdentity | None = None) -> None:
-    """Refuse a cache made for another target or layer choice, naming the field that differs and, given
-    `target` (the --target), both targets, with its sizes compared before the config hash."""
-    expected = {
-        "layer_ids": (tuple(manifest.layer_ids), tuple(layer_ids)),
-        "hidden_size": (manifest.hidden_size, hidden_size),
-        "target.vocab_size": (manifest.target.vocab_size, vocab_size),
-    }
-    if target is not None:
-        expected["target.model_type"] = (manifest.target.model_type, target.model_type)
-        expected["target.num_hidden_layers"] = (manifest.target.num_hidden_layers, target.num_hidden_layers)
-    if target_config_hash is not None:
-        expected["target.config_hash"] = (manifest.target.config_hash, target_config_hash)
-    if weights_fingerprint is not None:
-        expected["target.weights_fingerprint"] = (manifest.target.weights_fingerprint, weights_fingerprint)
-    given = "the drafter/target needs" if target is None else f"--target {target.name} has"
-    for name, (have, want) in expected.items():
+def check_manifest(manifest: Manifest, *, target: TargetIdentity, layer_ids: tuple[int, ...], hidden_size: int) -> None:
+    """Refuse a cache made for another target than `target` (the --target: its architecture, then its
+    weights, whose outputs the features are) or for other layers than the drafter reads, naming both
+    targets and the first field that differs."""
+    record = TargetRecord(manifest.target, "cache manifest", "extracted from",
+                          "extract a cache for this target and layers, or pass the matching --target")
+    record.check(target, weights=True)
+    for name, have, want in (("layer_ids", tuple(manifest.layer_ids), tuple(layer_ids)),
+                             ("hidden_size", manifest.hidden_size, hidden_size)):
         if have != want:
-            raise UserError(f"cache manifest field {name} is {have!r} (extracted from target {manifest.target.name}) "
-                            f"but {given} {want!r}; "
-                            "extract a cache for this target and layers, or pass the matching --target")
+            raise record.refusal(name, have, target.name, want)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import read_json, write_bytes_atomic, write_json_atomic
 from dflash_cache.store.manifest import TargetIdentity
+from dflash_cache.target.identity import RECORD_KEY, TargetRecord
 from dflash_cache.train.config import FULL_ATTENTION, SLIDING_ATTENTION, DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter
 from dflash_cache.typed_json import load_dataclass
@@ -36,10 +37,7 @@ WEIGHTS_NAME = "model.safetensors"
 MODEL_CODE_NAME = "dflash.py"  # the module name published checkpoints' auto_map uses
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 EXPORT_DTYPE = torch.bfloat16
-TARGET_KEY = "target"  # config.json's record of the target the drafter was trained for
-# Recorded target fields a given target must match, the most telling first: a refusal names the first
-# that differs (the config hash only when none of the sizes tells the two targets apart).
-TARGET_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "config_hash")
+TARGET_KEY = RECORD_KEY  # config.json's record of the target the drafter was trained for
 # config.json keys `config_from_export` reads (RoPE's base: `rope_parameters` or `rope_theta`).
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
@@ -257,12 +255,8 @@ def check_target(export_dir: Path, trained: TargetIdentity | None, cfg: DrafterC
         log.warning("--drafter %s records no target (exported before dflash-cache recorded one): cannot check that "
                     "it was trained for --target %s; a new export records it", export_dir, given.name)
     else:
-        for name in TARGET_FIELDS:
-            have, want = getattr(trained, name), getattr(given, name)
-            if have != want:
-                raise UserError(f"--drafter {export_dir} was trained for target {trained.name} ({name} {have!r}), "
-                                f"but --target {given.name} has {name} {want!r}; pass the target it was trained "
-                                "for, or train a drafter for this one")
+        TargetRecord(trained, f"--drafter {export_dir}: {CONFIG_NAME}", "trained for",
+                     "pass the target it was trained for, or train a drafter for this one").check(given)
         if trained.weights_fingerprint and trained.weights_fingerprint != given.weights_fingerprint:
             log.warning("--target %s has the architecture of %s, which the drafter was trained for, but other weights "
                         "(fingerprint %s, not %s): tau measures the drafter on these", given.name, trained.name,

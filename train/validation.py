@@ -119,10 +119,8 @@ class Validation:
         try:
             if cfg.live is None or is_cache(data):
                 reader = open_cache(data, allow_incomplete=cfg.allow_incomplete)
-                check_manifest(reader.manifest, target_config_hash=target.config_hash,
-                               layer_ids=drafter_cfg.target_layer_ids, hidden_size=drafter_cfg.hidden_size,
-                               vocab_size=target.vocab_size, weights_fingerprint=target.weights_fingerprint,
-                               target=target)
+                check_manifest(reader.manifest, target=target, layer_ids=drafter_cfg.target_layer_ids,
+                               hidden_size=drafter_cfg.hidden_size)
                 source = CacheSource(reader, config, dataclasses.replace(place, profiler=StageProfiler(None)))
             else:
                 held_out = live_dataset(cfg, data, None, vocab_size=target.vocab_size,

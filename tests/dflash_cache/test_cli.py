@@ -283,7 +283,8 @@ def test_eval_refuses_a_drafter_trained_for_another_target(tmp_path, demo_export
     and vocabulary would run it and report a meaningless tau."""
     other = other_target(tmp_path / "other", num_hidden_layers=10)
     assert_refused(invoke(*eval_args(demo_export, target=str(other))), f"--drafter {demo_export}",
-                   "trained for target tiny (num_hidden_layers 8)", f"--target {other} has num_hidden_layers 10")
+                   "config.json field target.num_hidden_layers is 8 (trained for target tiny)",
+                   f"--target {other} has 10")
 
 
 def test_eval_of_an_export_that_records_no_target_warns_once_and_runs(demo_export, caplog):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -111,13 +112,30 @@ def test_the_source_owns_its_position_and_a_fresh_one_resumes_from_its_state(sma
 
 def test_manifest_mismatch_names_the_field(small_cache):
     m = CacheReader(small_cache).manifest
-    ok = dict(target_config_hash=m.target.config_hash, layer_ids=m.layer_ids, hidden_size=m.hidden_size,
-              vocab_size=m.target.vocab_size)
+    ok = dict(layer_ids=m.layer_ids, hidden_size=m.hidden_size, target=m.target)
     check_manifest(m, **ok)
-    for field, value in (("layer_ids", (1, 2)), ("hidden_size", 64), ("vocab_size", 10),
-                         ("target_config_hash", "other")):
-        with pytest.raises(UserError, match=field.replace("target_", "target.").replace("vocab_size", "target.vocab_size")):
+    for field, value in (("layer_ids", (1, 2)), ("hidden_size", 64)):
+        with pytest.raises(UserError, match=field):
             check_manifest(m, **{**ok, field: value})
+    for field, value in (("vocab_size", 10), ("config_hash", "other")):
+        with pytest.raises(UserError, match=f"target.{field}"):
+            check_manifest(m, **{**ok, "target": dataclasses.replace(m.target, **{field: value})})
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", 10), ("model_type", "llama"),
+                                          ("config_hash", "0123456789abcdef"), ("weights_fingerprint", "f" * 16)])
+def test_a_cache_of_another_target_names_both_targets_and_the_field(small_cache, field, value):
+    """The comparison `eval` makes of an export's target (`dflash_cache.target.identity`), weights included:
+    a cache's features are the outputs of the weights it was extracted from."""
+    m = CacheReader(small_cache).manifest
+    other = dataclasses.replace(m.target, name="/models/other", **{field: value})
+    with pytest.raises(UserError) as e:
+        check_manifest(m, target=other, layer_ids=m.layer_ids, hidden_size=m.hidden_size)
+    assert str(e.value) == (f"cache manifest field target.{field} is {getattr(m.target, field)!r} (extracted from "
+                            f"target {m.target.name}), but --target /models/other has {value!r}; extract a cache for "
+                            "this target and layers, or pass the matching --target")
+    check_manifest(m, target=dataclasses.replace(m.target, name="/moved/tiny"), layer_ids=m.layer_ids,
+                   hidden_size=m.hidden_size)  # another path to the same model
 
 
 def test_a_cache_made_again_under_the_source_stops_it(small_cache, tmp_path):

@@ -358,8 +358,9 @@ def test_another_target_is_refused_naming_both_and_the_field(exported, change, f
     with pytest.raises(UserError) as e:
         check_target(out, tiny_identity(), cfg, given)
     message = str(e.value)
-    assert f"trained for target tiny ({field} {getattr(tiny_identity(), field)!r})" in message, message
-    assert f"--target /models/other has {field} {change[field]!r}" in message, message
+    assert f"--drafter {out}: config.json field target.{field} is {getattr(tiny_identity(), field)!r} (trained " \
+           "for target tiny)" in message, message
+    assert f"--target /models/other has {change[field]!r}" in message, message
 
 
 def test_the_same_target_passes_and_other_weights_only_warn(exported, caplog):
