@@ -1,10 +1,11 @@
 """Options kept in a file: what `--config FILE` reads, and the config.yaml a training run writes.
 
 A file is a mapping of option names, as on the command line without the dashes
-(`token-budget: 4096`, or `token_budget`), to values; YAML (.yaml, .yml: with PyYAML, which
-transformers already installs), TOML (.toml) or JSON (.json), told apart by the suffix. Which
-keys a command takes, and what their values may be, is the command's business
-(`dflash_cache.options.ConfigCommand`): this module only reads and writes files.
+(`token-budget: 4096`, or `token_budget`; a flag true or false, and a `--no-x` flag also as
+`x: false`), to values; YAML (.yaml, .yml: with PyYAML, which transformers already installs),
+TOML (.toml) or JSON (.json), told apart by the suffix. Which keys a command takes, and what their
+values may be, is the command's business (`dflash_cache.options.ConfigCommand`): this module only
+reads and writes files.
 """
 
 from __future__ import annotations

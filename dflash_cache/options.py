@@ -13,8 +13,9 @@ blank); `X | None` is optional. A nested config field becomes its fields' option
 config on.
 
 Every `ConfigCommand` also takes `--config FILE` (`dflash_cache.config_files`): the file's keys are
-the command's option names without the dashes, its values fill what the command line leaves out
-(click's default map), and they go through the options' own types and checks.
+the command's option names without the dashes (a flag's field also by its name, so `progress: false`
+is `no-progress: true`), its values fill what the command line leaves out (click's default map), and
+they go through the options' own types and checks.
 """
 
 from __future__ import annotations
@@ -272,33 +273,52 @@ def _options_from_file(ctx: click.Context, param: click.Parameter, path: str | N
         return
     from dflash_cache.config_files import read_config_file
 
-    by_key = {o[2:]: p for p in ctx.command.get_params(ctx) if isinstance(p, click.Option) and p.expose_value
-              for o in p.opts if o.startswith("--")}
+    by_key = _file_keys(ctx)
     values: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # the key each option was given by
     for key, value in read_config_file(path).items():
         key = str(key)
-        option = by_key.get(key.replace("_", "-"))
-        if option is None:
+        found = by_key.get(key.replace("_", "-"))
+        if found is None:
             close = difflib.get_close_matches(key.replace("_", "-"), by_key, n=1)
             hint = f"did you mean {close[0]!r}?" if close else \
                 f"the keys are the options of `{ctx.command_path} --help` without their leading dashes"
             raise UserError(f"{path}: no option {key!r} here; {hint}")
-        if option.name in values:
-            raise UserError(f"{path}: {option.opts[0][2:]!r} is given twice (as - and _ spellings); keep one")
-        values[option.name] = _file_value(ctx, option, key, value, path)
+        option, is_field = found
+        if option.name in keys:
+            raise UserError(f"{path}: {option.opts[0][2:]!r} is given twice (as {keys[option.name]!r} and {key!r}); "
+                            "keep one")
+        keys[option.name] = key
+        values[option.name] = _file_value(ctx, option, key, value, path, is_field=is_field)
     ctx.default_map = {**(ctx.default_map or {}), **{k: v for k, v in values.items() if v is not None}}
 
 
-def _file_value(ctx: click.Context, option: click.Option, key: str, value: Any, path: str) -> Any:
-    """A file's value for `option` as its parsed value, or None for none (null, a flag set false): a
-    flag takes true or false; anything else is converted from its command-line text by the option's
-    type, so that it passes exactly what the command line passes (a list for a comma list)."""
+def _file_keys(ctx: click.Context) -> dict[str, tuple[click.Option, bool]]:
+    """The keys a file may use, each with its option and whether the key is the name of a boolean
+    field rather than its flag: the flags without their dashes, and each flag's field by its name
+    where that differs, so that `progress: false` says what `--no-progress` (or
+    `no-progress: true`) says. Where a field's name is another option's flag, the flag keeps it."""
+    params = [p for p in ctx.command.get_params(ctx) if isinstance(p, click.Option) and p.expose_value]
+    keys = {o[2:]: (p, False) for p in params for o in p.opts if o.startswith("--")}
+    for p in params:
+        if p.is_flag and p.name:
+            keys.setdefault(p.name.rsplit(_NESTED, 1)[-1].replace("_", "-"), (p, True))
+    return keys
+
+
+def _file_value(ctx: click.Context, option: click.Option, key: str, value: Any, path: str, *,
+                is_field: bool = False) -> Any:
+    """A file's value for `option` as its parsed value, or None for none (null, a flag left off): a
+    flag takes true or false (by its field's name, `is_field`, the field's value: true or false
+    whatever the flag's default); anything else is converted from its command-line text by the
+    option's type, so that it passes exactly what the command line passes (a list for a comma list)."""
     if value is None:
         return None
     if option.is_flag:
         if not isinstance(value, bool):
             raise UserError(f"{path}: {key!r} is a flag: give true or false, not {value!r}")
-        return (not option.default) if value else None  # our flags: given, they flip their default
+        given = value != option.default if is_field else value
+        return (not option.default) if given else None  # our flags: given, they flip their default
     if isinstance(value, list) and isinstance(option.type, IntList):
         value = ",".join(map(str, value))
     if isinstance(value, bool | list | dict):
@@ -326,7 +346,8 @@ class ConfigCommand(click.Command):
         self.params.append(click.Option(
             [CONFIG_FLAG], metavar="FILE", is_eager=True, expose_value=False, callback=_options_from_file,
             help="Options from a YAML, TOML or JSON file: option names without the dashes as keys "
-                 "(token-budget: 4096); options given on the command line override it."))
+                 "(token-budget: 4096; a --no-x flag also as x: false); options given on the command line "
+                 "override it."))
 
     def config_class(self) -> type:
         if isinstance(self._config, str):

@@ -3,6 +3,7 @@ config.yaml a training run writes, which runs it again."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ from click.testing import CliRunner
 from dflash_cache.cli import cli
 from dflash_cache.config_files import RUN_CONFIG_FILE, write_run_config
 from dflash_cache.errors import UserError
-from dflash_cache.options import ConfigCommand
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.regenerate import RegenerateConfig
+from dflash_cache.options import ConfigCommand, config_options
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
 from tests.dflash_cache.test_cli import assert_refused
 from tests.dflash_cache.test_options import Grid, Inner, Toy, parse
@@ -62,7 +65,8 @@ def test_the_command_line_overrides_the_file_and_the_file_the_defaults(tmp_path)
 
 @pytest.mark.parametrize("text, says", [
     ("name: n\nsise: 3\n", "no option 'sise' here; did you mean 'size'?"),
-    ("name: n\nprogress: false\n", "did you mean 'no-progress'?"),
+    ("name: n\nprogres: false\n", "did you mean 'progress'?"),  # a flag's field name is a key too
+    ("name: n\nprogress: false\nno-progress: true\n", "'no-progress' is given twice (as 'progress' and 'no-progress')"),
     ("name: n\nsecret: 3\n", "no option 'secret' here; the keys are the options of"),  # cli=False is not an option
     ("name: n\nsize: 3\nsize_: 4\n", "no option 'size_'"),
     ("name: n\ninner_depth: 3\ninner-depth: 4\n", "'inner-depth' is given twice"),
@@ -83,6 +87,7 @@ def test_an_unknown_key_is_refused_naming_it_and_the_file(tmp_path, text, says):
     ("ids: [1, x]", "expected comma-separated integers like 1,9,17"),
     ("ids: ''", "is empty"),
     ("loud: 3", "'loud' is a flag: give true or false"),
+    ("progress: 'no'", "'progress' is a flag: give true or false, not 'no'"),  # by its field's name, as by its flag
     ("rate: {a: 1}", "'rate' takes a value"),
 ])
 def test_a_bad_value_is_the_command_line_s_error_naming_the_file(tmp_path, text, says):
@@ -110,6 +115,43 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path, name, text, says):
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
+SWITCHED = {  # config classes with the options every parse of them needs
+    "toy": (Toy, ("--name", "n")),
+    "extract": (ExtractConfig, ("--model", "tiny", "--data", "d", "--out", "o")),
+    "regenerate": (RegenerateConfig, ("--model", "tiny", "--data", "d", "--out", "o")),
+    "train": (TrainConfig, ("--target", "t", "--out", "o", "--cache", "c")),
+}
+
+
+def _value(cfg: object, option: click.Option) -> object:
+    return functools.reduce(getattr, option.name.split("__"), cfg)
+
+
+@pytest.mark.parametrize("command", sorted(SWITCHED))
+def test_every_boolean_option_takes_true_or_false_by_its_name_or_by_its_flag(tmp_path, command):
+    """`progress: false` is `--no-progress` and `resume: true` is `--resume` (the field's value); a
+    flag's own key (`no-progress: true`) says whether the flag is given; a flag on the command line wins
+    over the file; anything but true or false is refused in one line naming the key."""
+    config, needed = SWITCHED[command]
+    default = parse(config, *needed)
+    switches = [o for o in config_options(config) if o.is_flag and isinstance(_value(default, o), bool)]
+    assert any(o.default is True for o in switches) and any(o.default is False for o in switches)
+    for option in switches:
+        flag, name = option.opts[0], option.name.rsplit("__", 1)[-1]
+        off, on = _value(default, option), _value(parse(config, *needed, flag), option)
+        assert on is not off
+        for key, value, want in ((name, True, True), (name, False, False), (flag[2:], True, on),
+                                 (flag[2:], False, off)):
+            path = _file(tmp_path, f"{key}: {str(value).lower()}\n")
+            assert _value(parse(config, *needed, "--config", path), option) is want, (key, value)
+        path = _file(tmp_path, f"{name}: {str(off).lower()}\n")
+        assert _value(parse(config, *needed, "--config", path, flag), option) is on  # the command line wins
+        path = _file(tmp_path, f"{name}: maybe\n")
+        with pytest.raises(UserError) as info:
+            parse(config, *needed, "--config", path)
+        assert str(info.value) == f"{path}: {name!r} is a flag: give true or false, not 'maybe'"
+
+
 def test_yaml_without_pyyaml_says_how_to_get_it_or_what_else_works(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "yaml", None)
     with pytest.raises(UserError, match=r"needs PyYAML: pip install pyyaml, or write it as \.toml or \.json$"):
@@ -131,7 +173,8 @@ def test_live_options_from_a_file_and_the_live_only_check(tmp_path):
 
 def test_the_cli_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
     for text, needles in (("token_budgt: 4\n", ("no option 'token_budgt' here; did you mean 'token-budget'?",)),
-                          ("token-budget: abc\n", ("'token-budget'", "not a valid integer"))):
+                          ("token-budget: abc\n", ("'token-budget'", "not a valid integer")),
+                          ("compile: 1\n", ("'compile' is a flag: give true or false, not 1",))):
         path = _file(tmp_path, text)
         r = CliRunner().invoke(cli, ["train", "--target", "tiny", "--out", str(tmp_path / "run"), "--config", path])
         assert_refused(r, path, *needles)
