@@ -16,8 +16,9 @@ a GPU), so the choice changes speed, never a cache.
 
 Two strategies for one job is one too many. Settling on one (Triton kernels for both, or
 torch.compile of the torch reference for both) needs both measured on an NVIDIA H200: encode and
-decode time per token at the target's batch sizes, and the compile time a run pays at start. Until
-then the predicates below decide, and the decision changes them (and only the dispatchers that
+decode time per token at the target's batch sizes, and the compile time a run pays at start
+(`python3 -m bench.codec_kernels` measures exactly that, and whether each candidate stores the
+reference's bits). Until then the predicates below decide, and the decision changes them (and only the dispatchers that
 call them: `fp8.quantize_fp8`, `fp8.dequantize_fp8`, `fp4.quantize_fp4_layout`).
 """
 
