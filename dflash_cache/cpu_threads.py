@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ENV = "OMP_NUM_THREADS"
 OVERRIDE = f"{ENV}=N or `dflash-cache --cpu-threads N <command>` chooses"
+_said: int | None = None  # the thread count this process last said (`use_free_cores`)
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,25 @@ def choose_cpu_threads(share: int = 1) -> ThreadChoice:
 
 def use_free_cores(device: torch.device, share: int = 1) -> int | None:
     """Set torch's intra-op threads for work on `device` when it is the CPU (`choose_cpu_threads`)
-    and say so in one line; returns the count, or None for another device (left as it is)."""
+    and say so in one line; returns the count, or None for another device (left as it is).
+
+    The line is said once per process (a process that extracts, then trains, sets its threads twice:
+    a count already said is not said again) and, of the `share` ranks of a host, by its first
+    (LOCAL_RANK 0): they split the same free cores the same way, so one line for all of them says
+    what each does; the others' lines are debug logging (-v)."""
+    global _said
     if device.type != "cpu":
         return None
     import torch
 
     choice = choose_cpu_threads(share)
     torch.set_num_threads(choice.threads)
-    log.info("CPU work on %d torch thread%s (%s); %s", choice.threads, "" if choice.threads == 1 else "s",
-             choice.why, OVERRIDE)
+    first = share == 1 or os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")  # of the processes sharing
+    level = logging.INFO if first and choice.threads != _said else logging.DEBUG
+    log.log(level, "CPU work on %d torch thread%s%s (%s); %s", choice.threads, "" if choice.threads == 1 else "s",
+            " per process" if share > 1 else "", choice.why, OVERRIDE)
+    if level == logging.INFO:
+        _said = choice.threads
     return choice.threads
 
 

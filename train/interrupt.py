@@ -45,9 +45,15 @@ class DeferredInterrupt:
 
     Handlers are installed only in the main thread (signals are delivered there); elsewhere the
     context does nothing and a KeyboardInterrupt behaves as usual.
+
+    `finishing`: what the first signal waits for, as its line says. `say`: whether this process says
+    what the signals do (rank 0 does, for every rank; another rank logs it at debug level only).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, finishing: str = "finishing the current step, then saving a checkpoint",
+                 *, say: bool = True) -> None:
+        self.finishing = finishing
+        self.level = logging.WARNING if say else logging.DEBUG
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._previous_wakeup: int | None = None
@@ -88,19 +94,18 @@ class DeferredInterrupt:
                 if signum == STOP_REQUEST and not (seen or asked):
                     asked = True
                     self.signum = self.signum or signum
-                    log.warning("asked to stop (%s): finishing the current step, then saving a checkpoint",
-                                signal.Signals(signum).name)
+                    log.log(self.level, "asked to stop (%s): %s", signal.Signals(signum).name, self.finishing)
                 if signum not in SIGNALS:
                     continue
                 seen += 1
                 name = signal.Signals(signum).name
                 if seen == 1:
                     self.signum = self.signum or signum
-                    log.warning("%s received: finishing the current step, then saving a checkpoint (Ctrl-C again "
-                                "to stop at once without saving)", name)
+                    log.log(self.level, "%s received: %s (Ctrl-C again to stop at once without saving)", name,
+                            self.finishing)
                 else:
-                    log.warning("%s received again: stopping now without saving; --resume continues from the last "
-                                "checkpoint", name)
+                    log.log(self.level, "%s received again: stopping now without saving; --resume continues from "
+                            "the last checkpoint", name)
                     logging.shutdown()
                     os._exit(130)
 

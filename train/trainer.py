@@ -23,6 +23,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,12 +122,17 @@ class Trainer:
         self._metrics: MetricsLog | None = None  # fit's; save() writes its queued row first
         self.build_seconds: float | None = None  # set by build(): source, target head and drafter set-up
         self.validation: Validation | None = None  # set by build() with --eval-data
-        log.info("drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps", cfg.draft_layers,
-                 cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6, per_epoch, total_steps)
+        self._say(logging.INFO, "drafter: %d layers, block %d, %.1fM parameters; %d batches/epoch, %d steps",
+                  cfg.draft_layers, cfg.block_size, sum(p.numel() for p in self.model.parameters()) / 1e6, per_epoch,
+                  total_steps)
         if self.runner.attention_kernels == "flash":
             log.info("attention: flash-attention 4's kernels in the static-shape graph, Triton's in the dynamic one")
         elif self.runner.compiled and self.runner.why_not_flash is not None:
             log.info("attention: Triton's kernels (flash-attention 4's do not run here: %s)", self.runner.why_not_flash)
+
+    def _say(self, level: int, message: str, *args: Any) -> None:
+        """Log what the run does: rank 0 says it for every rank; another rank's line is debug logging."""
+        log.log(level if self.place.rank == 0 else logging.DEBUG, message, *args)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -146,18 +153,26 @@ class Trainer:
             self._metrics.write()
         return self.checkpointer.save()
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, record: Callable[[], AbstractContextManager[Any]] | None = None) -> dict[str, float]:
         """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics.
 
         A SIGINT/SIGTERM stops the run at the next step boundary (every step with one process, at the
         next logging step with several, where the ranks agree on it) with a checkpoint, raising
         `TrainingInterrupted`; `--resume` then continues bit for bit (with flash attention kernels, up
-        to their atomic adds' rounding: dflash_cache.train.attention_kernels).
+        to their atomic adds' rounding: dflash_cache.train.attention_kernels). One that comes while
+        the last checkpoint and the export are written lets them finish: the run is then complete.
+
+        `record`: what rank 0 enters once the run has passed its checks (resuming, or refusing to
+        train over checkpoints) and keeps while it runs: `train`'s OUT/config.yaml, so that a refused
+        run never touches it.
         """
-        with self._tracking():
+        with self._tracking(), contextlib.ExitStack() as running:
+            self._resume_or_refuse()
+            if record is not None and self.place.rank == 0:
+                running.enter_context(record())
             book, fit_from, steps, batches = self._start(), self.step, None, None
             try:
-                with DeferredInterrupt() as interrupt:
+                with DeferredInterrupt(say=self.place.rank == 0) as interrupt:
                     batches = self.source.iterate(self.source.position,
                                                   epochs=None if self.cfg.max_steps else self.cfg.epochs)
                     steps = self.runner.train_steps(self._first_read_timed(batches, book))
@@ -169,11 +184,11 @@ class Trainer:
                             raise TrainingInterrupted(self.step, str(path) if path else None)
                         self._between_steps(book)
             except TrainingInterrupted:
-                log.warning("stopped at step %d with a checkpoint; continue with --resume", self.step)
+                self._say(logging.WARNING, "stopped at step %d with a checkpoint; continue with --resume", self.step)
                 raise
             except KeyboardInterrupt:
-                log.warning("stopped at once: no checkpoint for the steps since the last one; --resume continues "
-                            "from that one")
+                self._say(logging.WARNING, "stopped at once: no checkpoint for the steps since the last one; --resume "
+                          "continues from that one")
                 raise
             finally:
                 book.bar.close()
@@ -203,20 +218,25 @@ class Trainer:
             self.trackers = Trackers(names, self.out, options_json(self.cfg))
             self.place.profiler.listeners.append(self.trackers.report)
 
-    def _start(self) -> Bookkeeper:
-        """Resume (or refuse to train over checkpoints without --resume), rewind the metrics to the
-        step resumed, and compile the static shapes; the bookkeeping starts the clock after that."""
+    def _resume_or_refuse(self) -> None:
+        """Resume from the newest checkpoint (refusing one of another run), or refuse to train over
+        checkpoints without --resume: the last of the run's checks."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         planned_for = (self.runner.max_anchors, self.drafter.schedule.total_steps)
         if cfg.resume and not self.checkpointer.restore():
-            log.info("--resume: no checkpoint in %s, starting fresh", self.checkpointer.directory)
+            self._say(logging.INFO, "--resume: no checkpoint in %s, starting fresh", self.checkpointer.directory)
         elif not cfg.resume and list_checkpoints(self.checkpointer.directory):
             raise UserError(f"{self.out} already holds checkpoints; pass --resume to continue or choose another --out")
         if self.runner.shapes is not None and (self.runner.max_anchors, self.drafter.schedule.total_steps) != planned_for:
             # the checkpoint lowered the anchor cap or moved the schedule's end: the shapes compiled next
             # are those this run's batches take from here
             self.runner.shapes = self.plan_shapes()
+
+    def _start(self) -> Bookkeeper:
+        """Once the run goes ahead: open the trackers, rewind the metrics to the step resumed, and
+        compile the static shapes; the bookkeeping starts the clock after that."""
+        cfg = self.cfg
         self._open_trackers()
         if self.place.rank == 0:
             truncate_metrics(self.out / METRICS_FILE, self.step)
@@ -259,13 +279,22 @@ class Trainer:
             log.info("static shapes (%s): %d steps compiled, %d eager%s", self.runner.shapes.describe(),
                      record.compiled_steps, record.eager_steps,
                      f" (failed to compile: {', '.join(map(str, record.failed))})" if record.failed else "")
-        self.save()
-        if self.place.rank == 0:
-            try:
-                export_drafter(self.model, self.model.cfg, self.out / EXPORT_DIR, target=self.target)
-            except OSError as e:  # a full disk: the checkpoint just saved holds the same weights
-                raise write_error(e, f"writing the export to {self.out / 'export'}",
-                                  "run the same command with --resume to export again") from None
+        # A stop asked for from here lets the last checkpoint and the export finish (seconds): the run
+        # ends complete. The barrier keeps the other ranks deferring it until rank 0 has exported (one
+        # interrupted meanwhile would have the launcher stop rank 0 mid-export).
+        with DeferredInterrupt("finishing the last checkpoint and the export", say=self.place.rank == 0) as interrupt:
+            path = self.save()
+            if self.place.rank == 0:
+                try:
+                    export_drafter(self.model, self.model.cfg, self.out / EXPORT_DIR, target=self.target)
+                except OSError as e:  # a full disk: the checkpoint just saved holds the same weights
+                    raise write_error(e, f"writing the export to {self.out / 'export'}",
+                                      "run the same command with --resume to export again") from None
+            if self.place.world > 1:
+                torch.distributed.barrier()
+        if interrupt.requested:
+            self._say(logging.WARNING, "asked to stop as the run ended: its last checkpoint %s and its export %s are "
+                      "written, so it is complete", path, self.out / EXPORT_DIR)
         return book.metrics.last
 
     def _evaluate(self, metrics: MetricsLog) -> None:
@@ -348,12 +377,12 @@ def train(cfg: TrainConfig, device: str = "auto", gpus: str | None = None) -> di
                 torch.cuda.set_device(dev)
             torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         try:
-            # OUT/config.yaml: what `train --config` runs again (a refused run puts back the one before).
+            # OUT/config.yaml: what `train --config` runs again, written once the run passed its checks
+            # (one that then ends in a UserError having saved nothing puts back the one before).
             where = {"device": device} if gpus is None else {"gpus": gpus}
-            record = run_config_written(Path(cfg.out), "train", cfg, **where,
-                                        progress=lambda: list_checkpoints(Path(cfg.out) / CHECKPOINTS_DIR)[:1])
-            with record if rank == 0 else contextlib.nullcontext():
-                return Trainer.build(cfg, device=dev, rank=rank, world=world).fit()
+            record = partial(run_config_written, Path(cfg.out), "train", cfg, **where,
+                             progress=lambda: list_checkpoints(Path(cfg.out) / CHECKPOINTS_DIR)[:1])
+            return Trainer.build(cfg, device=dev, rank=rank, world=world).fit(record=record)
         finally:
             if world > 1:
                 torch.distributed.destroy_process_group()

@@ -17,6 +17,13 @@ from dflash_cache.errors import UserError
 from tools.make_demo_drafter import ASSET_DIR
 
 
+@pytest.fixture(autouse=True)
+def nothing_said_yet(monkeypatch):
+    """Each test starts as a fresh process does: no thread count said yet, and not a host's later rank."""
+    monkeypatch.setattr(cpu_threads, "_said", None, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+
 @pytest.fixture
 def machine(monkeypatch):
     """A machine of `cores` cores, `allowed` of them this process's, with the given 1-minute load."""
@@ -97,6 +104,31 @@ def test_cpu_work_is_set_and_said_once_other_devices_are_left_alone(machine, cap
         assert "--cpu-threads N" in line
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_line_is_said_once_per_process_and_once_per_host(machine, monkeypatch, caplog):
+    """A process that sets its threads twice (extract, then train) says the count once, and again only
+    when it changes; of a host's ranks, the first says it for all (the others log it at debug level)."""
+    cpu = torch.device("cpu")
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="dflash_cache.cpu_threads"):
+            machine(allowed=2, cores=2, load=1.0)
+            use_free_cores(cpu)
+            use_free_cores(cpu)
+            machine(allowed=2, cores=2, load=0.0)
+            use_free_cores(cpu)
+            monkeypatch.setenv("LOCAL_RANK", "0")
+            machine(allowed=6, cores=6, load=0.0)
+            use_free_cores(cpu, share=2)
+            monkeypatch.setenv("LOCAL_RANK", "1")
+            use_free_cores(cpu, share=2)
+    finally:
+        torch.set_num_threads(before)
+    said = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records]
+    assert said == [("INFO", "CPU work on 1 torch thread"), ("DEBUG", "CPU work on 1 torch thread"),
+                    ("INFO", "CPU work on 2 torch threads"), ("INFO", "CPU work on 3 torch threads per process"),
+                    ("DEBUG", "CPU work on 3 torch threads per process")], said
 
 
 def test_the_cpu_threads_flag_sets_the_variable(monkeypatch):

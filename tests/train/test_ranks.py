@@ -94,13 +94,18 @@ def _ended(proc: subprocess.Popen, err: Path, timeout: float = 60) -> tuple[int,
 
 
 def _checkpointed_step(code: int, lines: list[str], out: Path) -> int:
-    """The step the one 'Interrupted' line names, checked against the newest checkpoint and the rows."""
+    """The step the one 'Interrupted' line names, checked against the newest checkpoint and the rows;
+    rank 0 alone says that the stop was heard and where the run stopped."""
     said = "\n".join(lines)
     assert code == 130, said
     found = [m for line in lines if (m := INTERRUPTED.match(line))]
     assert len(found) == 1 and lines[-1] == found[0].group(0), said
     assert "Traceback" not in said and "Error" not in said and STOPPED_AT_ONCE not in said, said
     step = int(found[0].group(1))
+    heard = [line for line in lines if "dflash_cache.train.interrupt: " in line]
+    stopped = [line for line in lines if "dflash_cache.train.trainer: stopped at step" in line]
+    assert len(heard) == 1 and heard[0].startswith("[rank 0] "), said
+    assert len(stopped) == 1 and stopped[0].startswith("[rank 0] ") and f"stopped at step {step} " in stopped[0], said
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step_{step:07d}"], said
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == step, "the rows reach the checkpoint's step and no further"

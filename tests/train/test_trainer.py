@@ -154,6 +154,40 @@ def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, mon
     assert resumed == straight_run, "same losses and accuracies, each step logged once"
 
 
+# A run a few CPU seconds long, through the CLI on one process.
+SHORT_RUN = ["--target", "tiny", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8", "--token-budget",
+             "1024", "--max-steps", "2", "--no-progress", "--device", "cpu"]
+
+
+def test_a_stop_while_the_export_is_written_lets_it_finish_and_says_so(demo_cache, tmp_path, monkeypatch, caplog):
+    """A Ctrl-C that lands while the export is written (the last checkpoint already is) lets the export
+    finish: the run says that its last checkpoint and its export are written, and ends as done, not
+    'stopped without saving'."""
+    import signal
+
+    from dflash_cache.train import trainer as trainer_module
+    from dflash_cache.train.export import read_export
+
+    real = trainer_module.export_drafter
+
+    def stopped_during(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # a Ctrl-C, here and now: its handler runs before the export goes on
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "export_drafter", stopped_during)
+    out = tmp_path / "run"
+    with caplog.at_level("INFO", logger="dflash_cache.train"):
+        r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *SHORT_RUN])
+    assert r.exit_code == 0 and "Stopped without saving" not in r.output, r.output
+    assert f"done: step 2, loss {_rows(out)[-1]['loss']:.4f}" in r.output, r.output
+    checkpoint, export = out / "checkpoints" / "step_0000002", out / "export"
+    assert (f"asked to stop as the run ended: its last checkpoint {checkpoint} and its export {export} are written, "
+            "so it is complete") in caplog.messages, caplog.messages
+    assert (checkpoint / "state.json").is_file()
+    assert read_export(export).cfg.block_size == 8, "the export is complete: it reads strictly"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+
+
 def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypatch, straight_run):
     """A crash after the last checkpoint leaves metric rows of steps that the resume redoes."""
     import torch
@@ -256,17 +290,24 @@ def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
     _check_two_rank_run(demo_cache, out)
 
 
-def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache, tmp_path, monkeypatch):
+def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache, tmp_path, monkeypatch, capfd,
+                                                                       caplog):
     """`train --gpus`: one rank per device through the launcher extract uses (two CPU ranks here, as
     `--gpus all` would give two GPUs), the same run the torchrun test checks; rank 0 says the result
-    line here, and OUT/config.yaml records --gpus, so `--config` starts the ranks again."""
+    line here, and OUT/config.yaml records --gpus, so `--config` starts the ranks again. What the
+    ranks share is said once, by rank 0: the CPU threads each takes and the drafter they train."""
     from dflash_cache.train import ranks
 
     monkeypatch.setattr(ranks, "gpu_devices", lambda _spec: [torch.device("cpu")] * 2)
     out = tmp_path / "ddp"
-    r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--gpus",
-                                 "all", "--eval-data", str(demo_cache)])
+    with caplog.at_level("INFO"):  # the ranks log at this process's level, to the stderr they inherit
+        r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--gpus",
+                                     "all", "--eval-data", str(demo_cache)])
     assert r.exit_code == 0, r.output
+    said = capfd.readouterr().err.splitlines()
+    threads = [line for line in said if "dflash_cache.cpu_threads: CPU work on" in line]
+    assert len(threads) == 1 and threads[0].startswith("[rank 0] ") and " per process (" in threads[0], said
+    assert len([line for line in said if "dflash_cache.train.trainer: drafter: " in line]) == 1, said
     assert [line for line in r.output.splitlines() if line.startswith("done:")] == [
         f"done: step 4, loss {_rows(out)[1]['loss']:.4f}, tau_hat {_rows(out)[1]['tau_hat']:.3f}; exported to "
         f"{out / 'export'}"]
@@ -590,6 +631,31 @@ def test_a_refused_run_leaves_no_out_directory(demo_cache, tmp_path):
     r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--target", "tiny", "--out", str(out),
                                  "--max-steps", "2", "--block-size", "1000", "--no-progress", "--device", "cpu"])
     assert r.exit_code == 2 and not out.exists(), r.output
+
+
+def test_a_refused_or_stopped_start_never_touches_config_yaml(demo_cache, tmp_path, monkeypatch):
+    """OUT/config.yaml is written once the run has passed its checks: a resume refused for another
+    --block-size leaves the file itself as it was (not rewritten, then put back), and a Ctrl-C while a
+    resume is set up (loading the target) leaves it recording the run that trained, not the options
+    of one that never started."""
+    from dflash_cache.train import assemble
+
+    out = tmp_path / "run"
+    args = ["train", "--cache", str(demo_cache), "--out", str(out), *SHORT_RUN]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    config = out / "config.yaml"
+    before = config.read_bytes(), config.stat().st_ino, config.stat().st_mtime_ns
+    r = CliRunner().invoke(cli, [*args, "--resume", "--max-steps", "3", "--block-size", "4"])
+    assert r.exit_code == 2 and "--block-size" in r.output, r.output
+    assert (config.read_bytes(), config.stat().st_ino, config.stat().st_mtime_ns) == before
+
+    def ctrl_c(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(assemble, "cache_parts", ctrl_c)
+    r = CliRunner().invoke(cli, [*args, "--resume", "--max-steps", "3", "--lr", "1e-5"])
+    assert r.exit_code == 130, r.output
+    assert config.read_bytes() == before[0]
 
 
 def test_options_changed_on_resume_are_applied_and_said(demo_cache, tmp_path, caplog):
