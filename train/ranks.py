@@ -27,7 +27,6 @@ import torch
 from dflash_cache.devices import gpu_devices, torchrun_env
 from dflash_cache.errors import UserError
 from dflash_cache.launch import launch
-from dflash_cache.train import trainer
 from dflash_cache.train.interrupt import TrainingInterrupted
 from dflash_cache.train.run_config import TrainConfig
 from dflash_cache.train.run_directory import EXPORT_DIR
@@ -41,7 +40,7 @@ def run_training(cfg: TrainConfig, device: str = "auto", gpus: str | None = None
     """The whole run, on `--device` in this process or on the devices `--gpus` names; `echo` shows
     its result line (the CLI passes click.echo)."""
     if gpus is None:
-        echo(result_line(cfg, trainer.train(cfg, device)))
+        echo(result_line(cfg, _train(cfg, device)))
         return
     if device != "auto":
         raise UserError(f"--gpus {gpus} and --device {device} both say where to train: keep --gpus for one rank "
@@ -57,7 +56,7 @@ def train_on(cfg: TrainConfig, devices: list[torch.device], gpus: str,
     """Train on `devices`: one runs in this process, several as one launched rank each (the same
     device may repeat); either way `echo` is called here, in this process."""
     if len(devices) == 1:
-        echo(result_line(cfg, trainer.train(cfg, str(devices[0]), gpus=gpus)))
+        echo(result_line(cfg, _train(cfg, str(devices[0]), gpus=gpus)))
     else:
         stopped = launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT, interruptible=True)[0]
         if stopped is not None:
@@ -69,12 +68,20 @@ def train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device,
     """What each launched rank runs: torchrun's environment says its rank, `device` its device.
     Returns None when the run ended, or the step and checkpoint where a signal stopped it."""
     try:
-        last = trainer.train(cfg, str(device), gpus=gpus)
+        last = _train(cfg, str(device), gpus=gpus)
     except TrainingInterrupted as e:
         return e.step, e.checkpoint
     if int(os.environ.get("RANK", 0)) == 0:
         echo(result_line(cfg, last))
     return None
+
+
+def _train(cfg: TrainConfig, device: str, gpus: str | None = None) -> dict[str, float]:
+    """`trainer.train`, imported here: a launching process that trains nowhere itself (`--gpus` with
+    several devices) never loads the trainer and the models it imports, only its ranks do."""
+    from dflash_cache.train.trainer import train
+
+    return train(cfg, device, gpus=gpus)
 
 
 def result_line(cfg: TrainConfig, last: dict | None) -> str:

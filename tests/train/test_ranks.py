@@ -44,7 +44,11 @@ if os.environ.get("SLOW_STEPS"):
     from tests.train.test_ranks import slow_train_rank
     ranks.train_rank = slow_train_rank
 from dflash_cache.cli import cli
-cli(sys.argv[1:])
+try:
+    cli(sys.argv[1:])
+finally:  # the launcher trains nowhere itself: only its ranks load the trainer and the models
+    if "dflash_cache.train.trainer" in sys.modules and not os.environ.get("SLOW_STEPS"):
+        print("the launching process loaded the trainer", file=sys.stderr)
 """
 
 
@@ -101,6 +105,7 @@ def _checkpointed_step(code: int, lines: list[str], out: Path) -> int:
     found = [m for line in lines if (m := INTERRUPTED.match(line))]
     assert len(found) == 1 and lines[-1] == found[0].group(0), said
     assert "Traceback" not in said and "Error" not in said and STOPPED_AT_ONCE not in said, said
+    assert "the launching process loaded the trainer" not in said
     step = int(found[0].group(1))
     heard = [line for line in lines if "dflash_cache.train.interrupt: " in line]
     stopped = [line for line in lines if "dflash_cache.train.trainer: stopped at step" in line]
