@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_cache.errors import UserError
+from dflash_cache.logs import run_level
 from dflash_cache.train.checkpoint import last_checkpoint
 from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.run_directory import CHECKPOINTS_DIR, METRICS_FILE
@@ -121,8 +122,8 @@ class Bookkeeper:
         build = f"set-up {self.build_seconds:.1f}s, " if self.build_seconds is not None else ""
         warm = (f"{len(shapes.anchors)} static shapes ({shapes.describe()}) compiled in {self.warm_up:.1f}s, "
                 if self.warm_up is not None else "")
-        log.info("start-up: %s%sfirst batch %.1fs, first step %.1fs (compilation included)", build, warm,
-                 self.t_batch - self.t_start, now - self.t_batch)
+        log.log(run_level(logging.INFO, self.place.rank), "start-up: %s%sfirst batch %.1fs, first step %.1fs "
+                "(compilation included)", build, warm, self.t_batch - self.t_start, now - self.t_batch)
 
     def _window_fields(self) -> dict[str, Any]:
         """A metrics row's fields the host knows at the log step (MetricsLog adds the device's).

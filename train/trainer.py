@@ -35,6 +35,7 @@ from dflash_cache.cpu_threads import use_free_cores
 from dflash_cache.devices import resolve_device
 from dflash_cache.errors import UserError, compile_failure, write_error
 from dflash_cache.files import write_bytes_atomic
+from dflash_cache.logs import run_level
 from dflash_cache.profiler import StageProfiler, interval_from_env
 from dflash_cache.store.batch import PackedBatch
 from dflash_cache.store.lock import CacheLock
@@ -132,7 +133,7 @@ class Trainer:
 
     def _say(self, level: int, message: str, *args: Any) -> None:
         """Log what the run does: rank 0 says it for every rank; another rank's line is debug logging."""
-        log.log(level if self.place.rank == 0 else logging.DEBUG, message, *args)
+        log.log(run_level(level, self.place.rank), message, *args)
 
     @property
     def model(self) -> torch.nn.Module:

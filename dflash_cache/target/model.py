@@ -26,6 +26,7 @@ from torch import nn
 
 from dflash_cache.errors import UserError
 from dflash_cache.files import hash_ends
+from dflash_cache.logs import run_level
 from dflash_cache.options import check_options, option
 from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.target.tiny import TINY, TINY_DIR, build_tiny_target, tiny_config, tiny_weights_path
@@ -232,7 +233,8 @@ def load_target(desc: TargetDescription, device: torch.device, keep: int | None 
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     if keep == 0:  # the trainer needs only the embedding and the LM head
-        log.info("target %s: embedding and LM head loaded (no decoder layer needed)", desc.identity.name)
+        log.log(run_level(logging.INFO), "target %s: embedding and LM head loaded (no decoder layer needed)",
+                desc.identity.name)
     else:
         log.info("target %s: %d of %d layers kept%s", desc.identity.name, keep, desc.identity.num_hidden_layers,
                  f", capturing {desc.layer_ids}" if desc.layer_ids else "")

@@ -92,7 +92,7 @@ def test_the_train_command_prefers_expandable_segments(monkeypatch, tmp_path):
     for var in ALLOC_CONF_VARS:
         monkeypatch.delenv(var, raising=False)
     seen = {}
-    monkeypatch.setattr(trainer, "train", lambda cfg, device: seen.setdefault("conf", os.environ.get(
+    monkeypatch.setattr(trainer, "train", lambda cfg, device, **_: seen.setdefault("conf", os.environ.get(
         "PYTORCH_CUDA_ALLOC_CONF")))
     res = CliRunner().invoke(cli.cli, ["train", "--target", "tiny", "--cache", str(tmp_path / "c"),
                                         "--out", str(tmp_path / "o")])

@@ -295,7 +295,8 @@ def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache
     """`train --gpus`: one rank per device through the launcher extract uses (two CPU ranks here, as
     `--gpus all` would give two GPUs), the same run the torchrun test checks; rank 0 says the result
     line here, and OUT/config.yaml records --gpus, so `--config` starts the ranks again. What the
-    ranks share is said once, by rank 0: the CPU threads each takes and the drafter they train."""
+    ranks share is said once, by rank 0: the CPU threads each takes, the drafter they train, the target
+    head they load and their start-up."""
     from dflash_cache.train import ranks
 
     monkeypatch.setattr(ranks, "gpu_devices", lambda _spec: [torch.device("cpu")] * 2)
@@ -307,7 +308,8 @@ def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache
     said = capfd.readouterr().err.splitlines()
     threads = [line for line in said if "dflash_cache.cpu_threads: CPU work on" in line]
     assert len(threads) == 1 and threads[0].startswith("[rank 0] ") and " per process (" in threads[0], said
-    assert len([line for line in said if "dflash_cache.train.trainer: drafter: " in line]) == 1, said
+    for what in ("dflash_cache.train.trainer: drafter: ", "embedding and LM head loaded", "bookkeeping: start-up: "):
+        assert [line[:9] for line in said if what in line] == ["[rank 0] "], (what, said)
     assert [line for line in r.output.splitlines() if line.startswith("done:")] == [
         f"done: step 4, loss {_rows(out)[1]['loss']:.4f}, tau_hat {_rows(out)[1]['tau_hat']:.3f}; exported to "
         f"{out / 'export'}"]
