@@ -39,8 +39,8 @@ def run_training(cfg: TrainConfig, device: str = "auto", gpus: str | None = None
                  echo: Callable[[str], None] = log.info) -> None:
     """The whole run, on `--device` in this process or on the devices `--gpus` names; `echo` shows
     its result line (the CLI passes click.echo)."""
-    if gpus is None:
-        echo(result_line(cfg, _train(cfg, device)))
+    if gpus is None:  # one process, or one rank of torchrun's
+        _train(cfg, device, echo=echo)
         return
     if device != "auto":
         raise UserError(f"--gpus {gpus} and --device {device} both say where to train: keep --gpus for one rank "
@@ -56,7 +56,7 @@ def train_on(cfg: TrainConfig, devices: list[torch.device], gpus: str,
     """Train on `devices`: one runs in this process, several as one launched rank each (the same
     device may repeat); either way `echo` is called here, in this process."""
     if len(devices) == 1:
-        echo(result_line(cfg, _train(cfg, str(devices[0]), gpus=gpus)))
+        _train(cfg, str(devices[0]), gpus=gpus, echo=echo)
     else:
         stopped = launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT, interruptible=True)[0]
         if stopped is not None:
@@ -68,20 +68,23 @@ def train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device,
     """What each launched rank runs: torchrun's environment says its rank, `device` its device.
     Returns None when the run ended, or the step and checkpoint where a signal stopped it."""
     try:
-        last = _train(cfg, str(device), gpus=gpus)
+        _train(cfg, str(device), gpus=gpus, echo=echo)
     except TrainingInterrupted as e:
         return e.step, e.checkpoint
-    if int(os.environ.get("RANK", 0)) == 0:
-        echo(result_line(cfg, last))
     return None
 
 
-def _train(cfg: TrainConfig, device: str, gpus: str | None = None) -> dict[str, float]:
-    """`trainer.train`, imported here: a launching process that trains nowhere itself (`--gpus` with
-    several devices) never loads the trainer and the models it imports, only its ranks do."""
+def _train(cfg: TrainConfig, device: str, gpus: str | None = None, *, echo: Callable[[str], None]) -> None:
+    """`trainer.train`, then its result line through `echo` on rank 0 (torchrun's ranks each run the
+    command: the others would repeat it). The trainer is imported here: a launching process that trains
+    nowhere itself (`--gpus` with several devices) never loads it and the models it imports."""
     from dflash_cache.train.trainer import train
 
-    return train(cfg, device, gpus=gpus)
+    line = result_line(cfg, train(cfg, device, gpus=gpus))
+    if int(os.environ.get("RANK", 0)) == 0:
+        echo(line)
+    else:
+        log.debug("%s", line)
 
 
 def result_line(cfg: TrainConfig, last: dict | None) -> str:

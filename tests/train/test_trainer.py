@@ -285,9 +285,12 @@ TWO_RANK_RUN = ["--target", "tiny", "--block-size", "8", "--draft-layers", "1", 
 
 def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
     out = tmp_path / "ddp"
-    torchrun_cli("train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--device", "cpu",
-                 "--eval-data", str(demo_cache), timeout=300)
+    done = torchrun_cli("train", "--cache", str(demo_cache), "--out", str(out), *TWO_RANK_RUN, "--device", "cpu",
+                        "--eval-data", str(demo_cache), timeout=300)
     _check_two_rank_run(demo_cache, out)
+    assert [line for line in done.stdout.splitlines() if line.startswith("done:")] == [
+        f"done: step 4, loss {_rows(out)[1]['loss']:.4f}, tau_hat {_rows(out)[1]['tau_hat']:.3f}; exported to "
+        f"{out / 'export'}"], "rank 0 alone says the result"
 
 
 def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache, tmp_path, monkeypatch, capfd,
