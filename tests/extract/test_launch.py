@@ -12,14 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
 from click.testing import CliRunner
 
 from dflash_cache.cli import cli
@@ -76,23 +74,22 @@ def test_two_launched_cpu_ranks_extract_the_exact_cache(small_parquet, tmp_path)
     assert reader.complete and not verify(reader)
 
 
-def _tiny_split_in_two(*, device: torch.device, echo: Callable[[str], None]) -> None:
-    """A launched rank: load the tiny target split over both ranks; say how one MLP matrix is held."""
-    from torch.distributed.device_mesh import init_device_mesh
+def extract_rank_saying_its_shard(cfg: ExtractConfig, *, device: torch.device, echo: Echo) -> None:
+    """An extraction rank that says how the target it extracts with holds one MLP matrix."""
+    real = run.load_target
 
-    from dflash_cache.target.model import describe_target, load_target
-
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        model = load_target(describe_target(TargetSpec(model="tiny", dtype="float32")), device, tp_mesh=mesh)
+    def load_target(*args, **kwargs):
+        model = real(*args, **kwargs)
         w = model.model.layers[0].mlp.up_proj.weight
         echo(f"{tuple(w.to_local().shape)} of {tuple(w.shape)}")
-    finally:
-        dist.destroy_process_group()
+        return model
+
+    run.load_target = load_target
+    run.extract_rank(cfg, device=device, echo=echo)
 
 
-def test_two_copies_of_a_target_one_split_over_two_ranks_extract_what_one_process_does(small_parquet, tmp_path):
+def test_two_copies_of_a_target_one_split_over_two_ranks_extract_what_one_process_does(small_parquet, tmp_path,
+                                                                                        monkeypatch):
     """--gpus-per-target 2: both ranks hold half of every weight matrix (transformers' tp_plan, over
     gloo here) and run every batch of their copy's share; rank 0 writes. --copy 0/2 so split, then
     1/2 in one process (copies need not be alike): copy 0 leaves exactly its share, copy 1 the
@@ -103,7 +100,10 @@ def test_two_copies_of_a_target_one_split_over_two_ranks_extract_what_one_proces
     run.extract_on(extract_config(small_parquet, single, target=fp32), [torch.device("cpu")], echo=lambda _: None)
     said = []
     first = extract_config(small_parquet, split, target=fp32, gpus_per_target=2, copy="0/2")
-    run.extract_on(first, TWO_CPUS, echo=said.append)
+    with monkeypatch.context() as m:  # the ranks run the function extract_on finds here
+        m.setattr(run, "extract_rank", extract_rank_saying_its_shard)
+        run.extract_on(first, TWO_CPUS, echo=said.append)
+    assert said.count("(192, 128) of (384, 128)") == 2, "each rank holds half of the MLP's rows"
     share = first.copy_share.names(read_plan(split, read_manifest(split)))
     assert {r.name for r in read_records(split)} == share and 0 < len(share) < 9
     assert said[-1].startswith(f"INCOMPLETE: {len(share)}/9 segments")
@@ -113,9 +113,6 @@ def test_two_copies_of_a_target_one_split_over_two_ranks_extract_what_one_proces
     assert f"{len(share)} of 9 segments already committed; {9 - len(share)} to extract as copy 1 of 2" in said
     assert said[-1].startswith("complete: 9/9 segments")
     assert {r.rank for r in read_records(split)} == {0}
-    shards = []
-    launch(_tiny_split_in_two, (), TWO_CPUS, echo=shards.append)
-    assert shards == ["(192, 128) of (384, 128)"] * 2, "each rank holds half of the MLP's rows"
     a, b = CacheReader(single), CacheReader(split)
     assert b.complete and not verify(b) and sample_ids(split) == sample_ids(single) == list(range(48))
     for sid in (0, 17, 47):
