@@ -17,7 +17,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from dflash_cache.launch import STOP_REQUEST
 
@@ -55,7 +57,8 @@ class DeferredInterrupt:
         self.finishing = finishing
         self.level = logging.WARNING if say else logging.DEBUG
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        # each signal's handler before ours: a function, SIG_DFL or SIG_IGN, or None (not set from Python)
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
         self._previous_wakeup: int | None = None
         self._pipe: tuple[int, int] | None = None
 
@@ -94,15 +97,18 @@ class DeferredInterrupt:
                 if signum == STOP_REQUEST and not (seen or asked):
                     asked = True
                     self.signum = self.signum or signum
-                    log.log(self.level, "asked to stop (%s): %s", signal.Signals(signum).name, self.finishing)
+                    log.log(self.level, "the launcher asks every rank to stop: %s (Ctrl-C again to stop at once "
+                            "without saving)", self.finishing)
                 if signum not in SIGNALS:
                     continue
                 seen += 1
                 name = signal.Signals(signum).name
                 if seen == 1:
                     self.signum = self.signum or signum
-                    log.log(self.level, "%s received: %s (Ctrl-C again to stop at once without saving)", name,
-                            self.finishing)
+                    # after the launcher's request, this is most likely the same Ctrl-C (the terminal's
+                    # group): the stop was said already
+                    log.log(logging.DEBUG if asked else self.level, "%s received: %s (Ctrl-C again to stop at once "
+                            "without saving)", name, self.finishing)
                 else:
                     log.log(self.level, "%s received again: stopping now without saving; --resume continues from "
                             "the last checkpoint", name)

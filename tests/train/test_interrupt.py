@@ -45,3 +45,25 @@ def test_a_second_signal_ends_a_step_stuck_in_torch_at_once(sig, tmp_path):
     assert time.perf_counter() - t0 < 5, "the second signal must end the process within seconds"
     assert proc.returncode == 130, (proc.returncode, rest)
     assert "stopping now" in rest and "the step ended" not in rest, rest
+
+
+@pytest.mark.parametrize("order", ["request first", "signal first"])
+def test_one_ctrl_c_that_reaches_a_rank_twice_is_said_once(order, caplog):
+    """A launched rank gets a Ctrl-C from the terminal and the launcher's stop request for the same
+    Ctrl-C, in either order: one line says the stop (and how to stop at once), and the run stops at
+    its step boundary, not at once."""
+    from dflash_cache.launch import STOP_REQUEST
+    from dflash_cache.train.interrupt import DeferredInterrupt
+
+    signals = [STOP_REQUEST, signal.SIGINT] if order == "request first" else [signal.SIGINT, STOP_REQUEST]
+    with caplog.at_level("INFO", logger="dflash_cache.train.interrupt"), DeferredInterrupt() as stop:
+        for sig in signals:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.1)  # the watcher thread reads each signal's wakeup byte in turn
+        deadline = time.time() + 5
+        while time.time() < deadline and not caplog.records:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    said = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert stop.requested and len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert "Ctrl-C again to stop at once without saving" in said[0].getMessage()
