@@ -110,6 +110,8 @@ def case(device: torch.device, small: bool):
     doc, ctx_pos = context_doc_pos(batch)
     mask = build_masks(doc, ctx_pos, blocks, layer_types=("full_attention",), sliding_window=None,
                        backend="flex", compile=device.type == "cuda")["full_attention"]
+    if not isinstance(mask, BlockMask):  # not reached: the flex backend builds BlockMasks
+        raise TypeError(f"build_masks(backend='flex') made a {type(mask).__name__}")
     general = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
                                        mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE,
                                        mask_mod=_mask_mod(doc, ctx_pos, blocks, None), seq_lengths=mask.seq_lengths)
@@ -118,6 +120,8 @@ def case(device: torch.device, small: bool):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, n, d, generator=g).to(device, dtype)
                for h, n in ((heads, q_len), (kv, kv_len), (kv, kv_len)))
+    if blocks.prefix_keys is None:  # not reached: anchors sampled on the host count them
+        raise RuntimeError("anchors sampled on the host without their prefix keys")
     pairs = block * blocks.prefix_keys + blocks.num_anchors * block * block
     return {"": mask, GENERAL_MASK: general}, q, k, v, 4 * pairs * d * heads, _KeyRanges.of(blocks, t), block
 
@@ -187,7 +191,8 @@ def main() -> None:
             grad_out = grad_out.view(q.shape[2], q.shape[1], q.shape[3]).transpose(0, 1)[None]
         else:
             qg, kg, vg = (x.detach().requires_grad_(device.type == "cuda") for x in (q, k, v))
-            forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,
+            # (torch's FlexKernelOptions leaves out the fwd_/bwd_-prefixed options it documents)
+            forward = functools.partial(fn, qg, kg, vg, block_mask=masks.get(name, masks[""]), enable_gqa=True,  # pyright: ignore[reportCallIssue]
                                         kernel_options=options or None)
             grad_out = torch.randn_like(q)  # random, not the ones of .sum(): the kernel reads it like any gradient
             if options and device.type == "cuda":  # other kernels, other roundings: how far from the default's

@@ -300,6 +300,9 @@ def measure(cand: Candidate, loads: list[Workload], n_layers: int, device: torch
                  "shapes": []}
     if cand.skipped:
         return row
+    make = cand.make
+    if make is None:  # not reached: a candidate that cannot be made is skipped
+        raise RuntimeError(f"{cand.name}: neither made nor skipped")
 
     def call_on(fn: Callable, load: Workload) -> Callable[[], object]:
         if cand.op == "encode":
@@ -309,7 +312,7 @@ def measure(cand: Candidate, loads: list[Workload], n_layers: int, device: torch
 
     try:
         cand.forget()
-        fn = cand.make()
+        fn = make()
         row["first_call_s"] = first_call_s(call_on(fn, loads[0]), device)
         compiled_after_first = cand.compilations()
         for load in loads:
@@ -326,7 +329,7 @@ def measure(cand: Candidate, loads: list[Workload], n_layers: int, device: torch
             row["compiles_after_first_call"] = compiled_now - compiled_after_first
         if cand.impl != "eager":
             cand.forget()
-            row["first_call_warm_cache_s"] = first_call_s(call_on(cand.make(), loads[0]), device)
+            row["first_call_warm_cache_s"] = first_call_s(call_on(make(), loads[0]), device)
     except Exception as e:  # one candidate that cannot run (a compiler failure, memory) must not lose the others
         row["error"] = f"{type(e).__name__}: {one_line(e)}"
         print(f"{cand.name}: {row['error']}", flush=True)
@@ -451,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--small", action="store_true", help="tiny shapes, to check the script on a CPU")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    tokens = args.tokens or list(SMALL_TOKENS if args.small else TOKENS)
+    tokens: list[int] = args.tokens or list(SMALL_TOKENS if args.small else TOKENS)
     hidden = args.hidden or (SMALL_HIDDEN if args.small else HIDDEN)
     repeats = args.repeats or (3 if args.small else 20)
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 3)

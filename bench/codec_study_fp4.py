@@ -64,7 +64,8 @@ def tiny_features(rows: int) -> torch.Tensor:
     from dflash_cache.target.tiny import build_tiny_target
 
     model = build_tiny_target()
-    layer_ids = select_layers(model.config.num_hidden_layers, N_LAYERS)
+    # an HF model's config (nn.Module types the attributes it does not declare as Tensor | Module)
+    layer_ids = select_layers(model.config.num_hidden_layers, N_LAYERS)  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
     feats = []
     with torch.no_grad():
         for row in open_data("demo", None).read_rows(0, rows, max_len=None):

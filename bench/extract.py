@@ -27,6 +27,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +62,8 @@ def qwen3_8b_config(small: bool):
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192)
     return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1_000_000, tie_word_embeddings=False)
+                       # transformers 5 takes 4.x's rope_theta (into rope_parameters); its signature omits it
+                       rope_theta=1_000_000, tie_word_embeddings=False)  # pyright: ignore[reportCallIssue]
 
 
 def qwen3_5_27b_config(small: bool):
@@ -183,7 +185,7 @@ def main() -> None:
 
     # Warm-up: every batch shape once through the full and the cut stacks (kernels that autotune per
     # shape, as flash-linear-attention's do, would otherwise tune inside the first timed pass).
-    full_layers = decoder.layers
+    full_layers = cast(torch.nn.ModuleList, decoder.layers)  # as decoder_of checked (nn.Module types it loosely)
     cut_layers = full_layers[: layer_ids[-1] + 1]
     one_per_shape = list({tuple(h.forward.input_ids.shape): h for h in host_batches}.values())
     for layers in (cut_layers,) if args.no_full_forward else (full_layers, cut_layers):

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numcodecs.blosc
 import numpy as np
@@ -314,7 +315,7 @@ def entropy_bits(codes: dict[str, np.ndarray]) -> float:
 
 def _blosc(codec: BloscCodec) -> Blosc:
     """The numcodecs Blosc that zarr's BloscCodec runs, built from its stored configuration."""
-    c = codec.to_dict()["configuration"]
+    c = cast(dict[str, Any], codec.to_dict()["configuration"])  # zarr types it as any JSON value
     return Blosc(cname=c["cname"], clevel=c["clevel"], shuffle=SHUFFLE_IDS[c["shuffle"]],
                  blocksize=c["blocksize"], typesize=c["typesize"])
 

@@ -74,7 +74,7 @@ def median_ms(fn, loops: int, reps: int) -> float:
 
 
 def survey(name: str, kind: str, m: int, k: int, n: int, *, limit: int, loops: int, reps: int) -> dict:
-    from nvmath.linalg.advanced import Matmul
+    from nvmath.linalg.advanced import Matmul  # pyright: ignore[reportMissingImports] (installed for this bench only)
 
     a, b = operands(kind, m, k, n)
     tflop = 2 * m * k * n / 1e12
@@ -98,7 +98,7 @@ def survey(name: str, kind: str, m: int, k: int, n: int, *, limit: int, loops: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python3 -m {__spec__.name}", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=24, help="algorithms to ask cuBLASLt's heuristic for")
     ap.add_argument("--loops", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)

@@ -57,18 +57,19 @@ class ClockSampler:
         self._out: Path | None = None
         self._rows: list[dict[str, str]] = []
 
-    def _choose_fields(self) -> list[tuple[str, str]]:
+    def _choose_fields(self, device_id: str) -> list[tuple[str, str]]:
         base = [f for f, _ in _BASE_FIELDS]
         for reasons in _REASON_FIELDS:
-            if _query(self.device_id, base + list(reasons)):
+            if _query(device_id, base + list(reasons)):
                 return [*_BASE_FIELDS, *reasons.items()]
-        return list(_BASE_FIELDS) if _query(self.device_id, base) else []
+        return list(_BASE_FIELDS) if _query(device_id, base) else []
 
     def __enter__(self) -> ClockSampler:
-        if self.device_id is None:
+        device_id = self.device_id
+        if device_id is None:
             return self
         if not self.fields:
-            self.fields = self._choose_fields()
+            self.fields = self._choose_fields(device_id)
         if not self.fields:
             log.warning("nvidia-smi cannot report clocks here: no clock samples")
             self.device_id = None
@@ -77,21 +78,24 @@ class ClockSampler:
         self._out = Path(name)
         with open(fd, "w") as out:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", self.device_id, f"--query-gpu={','.join(f for f, _ in self.fields)}",
+                ["nvidia-smi", "-i", device_id, f"--query-gpu={','.join(f for f, _ in self.fields)}",
                  "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"], stdout=out, stderr=subprocess.DEVNULL)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:
             return
+        out = self._out
+        if out is None:  # not reached: __enter__ names the file before it starts the process
+            raise RuntimeError("ClockSampler: nvidia-smi ran without an output file")
         self._proc.terminate()
         self._proc.wait(timeout=30)
         names = [n for _, n in self.fields]
-        for line in self._out.read_text().splitlines():
+        for line in out.read_text().splitlines():
             values = [v.strip() for v in line.split(",")]
             if len(values) == len(names):
                 self._rows.append(dict(zip(names, values, strict=True)))
-        self._out.unlink()
+        out.unlink()
         self._proc = None
 
     def summary(self) -> dict | None:

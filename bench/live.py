@@ -23,6 +23,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -70,10 +71,11 @@ def main() -> None:
     device = start_logging_and_device()
     s = shapes(args.small)
     tcfg = qwen3_8b_config(args.small)
-    layer_ids = list(LAYER_IDS) if not args.small else [1, 3, 5, 7, 9]
+    layer_ids: list[int] = list(LAYER_IDS) if not args.small else [1, 3, 5, 7, 9]
     target = build_model(tcfg, device)
     decoder = decoder_of(target)
-    decoder.layers = decoder.layers[: layer_ids[-1] + 1]
+    # as decoder_of checked (nn.Module types the attributes it does not declare as Tensor | Module)
+    decoder.layers = cast(torch.nn.ModuleList, decoder.layers)[: layer_ids[-1] + 1]
     capture = HiddenStateCapture(target, layer_ids)
 
     table_rows = synthetic_rows(args.tokens, tcfg.vocab_size)
@@ -83,13 +85,19 @@ def main() -> None:
     tokens = int(table.lengths.sum())
 
     block = 16 if not args.small else 8
-    cfg_kw = dict(target="synthetic", block_size=block, draft_layers=s["layers"], num_anchors=512 if not args.small else 16,
-                  token_budget=args.token_budget, max_anchors=args.max_anchors, max_steps=10**9, progress=False, prefetch=4, read_threads=4)
+    cfg_kw: dict[str, Any] = dict(  # TrainConfig's keywords
+        target="synthetic", block_size=block, draft_layers=s["layers"], num_anchors=512 if not args.small else 16,
+        token_budget=args.token_budget, max_anchors=args.max_anchors, max_steps=10**9, progress=False, prefetch=4,
+        read_threads=4)
+    if tcfg.num_key_value_heads is None:  # not reached: Qwen3Config sets it
+        raise RuntimeError("the target config has no num_key_value_heads")
     drafter_cfg = bench_drafter_config(  # the drafter takes the target's sizes
         hidden=tcfg.hidden_size, inter=tcfg.intermediate_size, heads=tcfg.num_attention_heads,
         kv=tcfg.num_key_value_heads, head_dim=tcfg.head_dim, vocab=tcfg.vocab_size, layers=s["layers"], block=block,
         layer_ids=tuple(layer_ids))
-    head = FrozenTargetHead(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    # an HF model's methods (nn.Module types the attributes it does not declare as Tensor | Module)
+    head = FrozenTargetHead(target.get_input_embeddings().weight,  # pyright: ignore[reportCallIssue]
+                            target.get_output_embeddings().weight)  # pyright: ignore[reportCallIssue]
     out = Path(args.out)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "tokens": tokens, "rates": {}}

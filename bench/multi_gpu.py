@@ -91,7 +91,7 @@ def prepare(out: Path, small: bool, tokens: int) -> tuple[Path, Path]:
     model_dir, data = out / "model", out / "data.parquet"
     if not (model_dir / "config.json").is_file():
         model = build_model(config, torch.device("cpu" if small else "cuda"))
-        model.save_pretrained(model_dir)
+        model.save_pretrained(model_dir)  # pyright: ignore[reportCallIssue] (an HF model's: nn.Module types the attributes it does not declare as Tensor | Module)
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # this process's cached blocks would sit on GPU 0 under the ranks

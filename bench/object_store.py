@@ -27,6 +27,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from dflash_cache.store.codecs import numpy_to_torch
 from dflash_cache.store.plan import Plan, PlanConfig, PlannedBatch
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.writer import commit_segment, finish_cache, open_or_create
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 
 def read_all(spec: str, threads: int) -> tuple[float, int, int]:
@@ -85,7 +89,7 @@ def report(name: str, sec: float, stored: int, tokens: int, **extra: object) -> 
     return {"seconds": sec, "MB_s": stored / sec / 1e6, "tok_s": tokens / sec, "stored_bytes": stored, **extra}
 
 
-def start_moto() -> object:
+def start_moto() -> ThreadedMotoServer:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the server's line per request costs it time

@@ -74,10 +74,11 @@ def import_speculators():
         sys.meta_path.insert(0, _EmptyModules(missing))
     from importlib.metadata import version as installed_version
 
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.losses import fused
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    # (speculators: installed for this bench only)
+    from speculators.config import SpeculatorsConfig, VerifierConfig  # pyright: ignore[reportMissingImports]
+    from speculators.losses import fused  # pyright: ignore[reportMissingImports]
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig  # pyright: ignore[reportMissingImports]
+    from speculators.proposals.greedy import GreedyTokenProposalConfig  # pyright: ignore[reportMissingImports]
 
     # Its two loss kernels share one autotune config list, and torch 2.11's dynamo refuses to trace
     # the second (the same list tracked twice): each kernel gets its own copy of the same configs.
@@ -103,7 +104,8 @@ def build_model(s: dict, device: torch.device):
     def qwen3(layers: int) -> Qwen3Config:
         return Qwen3Config(hidden_size=s["hidden"], intermediate_size=s["inter"], num_attention_heads=s["heads"],
                            num_key_value_heads=s["kv"], head_dim=s["head_dim"], vocab_size=s["vocab"],
-                           num_hidden_layers=layers, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+                           # rope_theta: transformers 5 takes 4.x's keyword (into rope_parameters), unlisted
+                           num_hidden_layers=layers, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,  # pyright: ignore[reportCallIssue]
                            architectures=["Qwen3ForCausalLM"])
 
     layers = qwen3(s["layers"])
@@ -154,7 +156,7 @@ def main() -> None:
     device = start_logging_and_device()
     s = shapes(args.small)
     version, model, trainable = build_model(s, device)
-    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dflash import DFlashDraftModel  # pyright: ignore[reportMissingImports]
 
     # its defaults for dflash (CE, D-PACE position weights); its fused Triton loss needs a GPU
     call_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
@@ -191,16 +193,16 @@ def main() -> None:
     clocks = ClockSampler(device)
     with clocks:
         start = torch.cuda.Event(enable_timing=True) if cuda else None
-        if cuda:
+        if start is not None:
             start.record()
         t1 = time.perf_counter()
         for batch in batches[1:]:
             loss = step(batch)
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True) if cuda else None
+        if end is not None:
             end.record()
             torch.cuda.synchronize(device)
-        seconds = start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t1
+        seconds = start.elapsed_time(end) / 1e3 if start is not None and end is not None else time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     result = {"trainer": f"speculators {version}", "s_per_step": seconds / args.steps,
               "tok_s": tokens * args.steps / seconds, "peak_gib": peak, "tokens_per_step": tokens,

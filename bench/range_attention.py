@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_cache.triton_support import triton_available
 
-if triton_available():
+if TYPE_CHECKING or triton_available():  # type checkers see the modules the kernels use
     import triton
     import triton.language as tl
 else:  # pragma: no cover - triton is a Linux dependency
@@ -183,7 +184,8 @@ if tl is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         kb, vb = K + hk * s_kh, V + hk * s_vh
-        for start in range(lo, hi, BLOCK_N):
+        # (triton types the loaded bounds as a tensor or a tuple; range over them is the kernel's loop)
+        for start in range(lo, hi, BLOCK_N):  # pyright: ignore[reportArgumentType]
             k, v, ok = _context_keys(kb, vb, start, hi, lo_r, hi_r, s_kn, s_vn, d, BLOCK_N)
             m_i, l_i, acc = _attend(q, k, v, ok, m_i, l_i, acc, qk_scale)
         k, v, ok = _own_square(kb, vb, tile, blk, n_ctx, n_q, s_kn, s_vn, d, BLOCK, BLOCK_M)
@@ -229,7 +231,8 @@ if tl is not None:
         delta = tl.load(DELTA + h * n_q + rows, mask=row_ok, other=0.0)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         kb, vb = K + hk * s_kh, V + hk * s_vh
-        for start in range(lo, hi, BLOCK_N):  # rows past n_q see no key: their lo/hi are 0
+        # rows past n_q see no key: their lo/hi are 0 (triton types them as a tensor or a tuple)
+        for start in range(lo, hi, BLOCK_N):  # pyright: ignore[reportArgumentType]
             k, v, ok = _context_keys(kb, vb, start, hi, lo_r, hi_r, s_kn, s_vn, d, BLOCK_N)
             dq = _dq_pair(q, do, k, v, lse, delta, ok, dq, qk_scale)
         k, v, ok = _own_square(kb, vb, tile, blk, n_ctx, n_q, s_kn, s_vn, d, BLOCK, BLOCK_M)
@@ -306,7 +309,9 @@ def range_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       out.stride(0), out.stride(1), plan.num_context, n_q, scale * LOG2E,
                       GROUP=hq // hkv, BLOCK=plan.block_size, HEAD_DIM=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n,
-                      N_HEADS=hq, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+                      N_HEADS=hq,
+                      # launch options, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+                      num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)  # pyright: ignore[reportCallIssue]
     return out, lse
 
 
@@ -325,7 +330,9 @@ def range_attention_backward(q, k, v, out, lse, grad_out, plan: RangePlan, scale
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), plan.num_context, n_q,
             scale * LOG2E, scale, GROUP=hq // hkv, BLOCK=plan.block_size, HEAD_DIM=d, BLOCK_M=cfg.dq_m,
-            BLOCK_N=cfg.dq_n, N_HEADS=hq, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+            BLOCK_N=cfg.dq_n, N_HEADS=hq,
+            # launch options, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)  # pyright: ignore[reportCallIssue]
     else:
         dq = torch.zeros(n_q, hq, d, device=q.device, dtype=torch.float32).transpose(0, 1)
     common = dict(GROUP=hq // hkv, BLOCK=plan.block_size, HEAD_DIM=d, BLOCK_M=cfg.bwd_m, BLOCK_N=cfg.bwd_n,
@@ -334,8 +341,9 @@ def range_attention_backward(q, k, v, out, lse, grad_out, plan: RangePlan, scale
             plan.bwd_q_hi, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
             plan.num_context, n_q, scale * LOG2E, scale)
-    _bwd_kernel[(int(plan.bwd_tiles.shape[0]) * hkv,)](*args, OWN=False, **common)
-    _bwd_kernel[(-(-n_q // cfg.bwd_n) * hkv,)](*args, OWN=True, **common)
+    # (triton types kernel[grid] as the kernel's own signature, whose constexpr parameters take no int)
+    _bwd_kernel[(int(plan.bwd_tiles.shape[0]) * hkv,)](*args, OWN=False, **common)  # pyright: ignore[reportArgumentType]
+    _bwd_kernel[(-(-n_q // cfg.bwd_n) * hkv,)](*args, OWN=True, **common)  # pyright: ignore[reportArgumentType]
     return (dq if cfg.split_dq else (dq * scale).to(q.dtype)), dk, dv
 
 

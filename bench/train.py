@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -175,6 +176,8 @@ def mean_step_flops(cfg, batches: list, *, num_anchors: int, max_anchors: int | 
     for batch in batches:
         blocks = sample_anchors(batch, block_size=cfg.block_size, num_anchors=num_anchors, max_anchors=max_anchors,
                                 mask_token_id=cfg.mask_token_id, generator=g)
+        if blocks.prefix_keys is None:  # not reached: anchors sampled on the host count them
+            raise RuntimeError("anchors sampled on the host without their prefix keys")
         parts.append((every_row_flops if every_row else step_flops)(
             cfg, context_tokens=batch.num_tokens, num_blocks=blocks.num_anchors, prefix_keys=blocks.prefix_keys))
     return StepFlops(*(sum(getattr(f, k) for f in parts) / len(parts) for k in ("linears", "attention", "lm_head")))
@@ -278,7 +281,7 @@ def timed_steps(runner: StepRunner, batches, steps: int, device, sync_every: int
     runner.profiler.add_tokens(lead_in.num_tokens)  # the profile's rate is host time, the fill included
     cuda = device.type == "cuda"
     start = torch.cuda.Event(enable_timing=True) if cuda else None
-    if cuda:
+    if start is not None:
         start.record()
     t1, tokens = time.perf_counter(), 0
     for i, batch in enumerate(steps_run, start=1):
@@ -287,11 +290,11 @@ def timed_steps(runner: StepRunner, batches, steps: int, device, sync_every: int
         if sync_every and i % sync_every == 0 and i < steps:
             sync(device)
     end = torch.cuda.Event(enable_timing=True) if cuda else None
-    if cuda:
+    if end is not None:
         end.record()
     sync(device)
     t2 = time.perf_counter()
-    seconds = start.elapsed_time(end) / 1e3 if cuda else t2 - t1  # a CPU runs each step before returning
+    seconds = start.elapsed_time(end) / 1e3 if start is not None and end is not None else t2 - t1  # a CPU runs each step before returning
     flops = sum(flop_log[counted:]) if flop_log is not None else 0.0
     return Timing(seconds, tokens, t2 - t0, tokens + lead_in.num_tokens, flops)
 
@@ -379,9 +382,10 @@ def main() -> None:
     out = Path(args.out)
     codecs = args.codecs.split(",")
 
-    cfg_kw = dict(target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
-                  num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
-                  progress=False, profile_interval=10**9, prefetch=4, read_threads=4, compile=not args.no_compile)
+    cfg_kw: dict[str, Any] = dict(  # TrainConfig's keywords
+        target="synthetic", block_size=16 if not args.small else 8, draft_layers=s["layers"],
+        num_anchors=args.num_anchors, token_budget=args.token_budget, max_steps=10**9,
+        progress=False, profile_interval=10**9, prefetch=4, read_threads=4, compile=not args.no_compile)
     drafter_cfg = bench_drafter_config(hidden=s["hidden"], inter=s["inter"], heads=s["heads"], kv=s["kv"],
                                        head_dim=s["head_dim"], vocab=s["vocab"], layers=s["layers"],
                                        block=cfg_kw["block_size"], layer_ids=LAYER_IDS)
@@ -587,6 +591,8 @@ def trace_steps(runner: StepRunner, batches, device) -> dict:
         sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
     events = prof.events()
+    if events is None:  # not reached: the profiler has run
+        raise RuntimeError("the profiler recorded no events")
     kernels = [e for e in events if e.device_type.name == "CUDA"]
     idle_us, gaps = device_gaps(kernels)
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)

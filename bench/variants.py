@@ -52,6 +52,8 @@ def _every_row_hidden(runner: StepRunner, net: torch.nn.Module, features: torch.
 
 
 def _every_row_step_flops(runner: StepRunner, batch, blocks: Blocks) -> float:
+    if blocks.prefix_keys is None:  # as StepRunner._step_flops: called only for anchors that counted them
+        raise ValueError("_step_flops: the anchors were sampled on the device, without prefix_keys")
     return every_row_flops(runner.drafter_cfg, context_tokens=batch.num_tokens, num_blocks=blocks.real_anchors,
                            prefix_keys=blocks.prefix_keys).total
 

@@ -192,7 +192,7 @@ def _click_option(entry: _Entry, name: str, gate: str | None) -> click.Option:
     if not _has_default(f):
         kw.update(required=gate is None)  # under a gate, its absence is reported when the gate is on
     else:
-        default = f.default if f.default is not MISSING else f.default_factory()
+        default = f.default if f.default_factory is MISSING else f.default_factory()
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
         kw.update(default=default, show_default=default is not None)

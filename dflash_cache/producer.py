@@ -30,7 +30,7 @@ class Producer(Generic[T]):
     """Runs `produce()` on a daemon thread named `name`, at most `depth` items ahead of `next()`."""
 
     def __init__(self, produce: Callable[[], Iterator[T]], *, depth: int, name: str) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._queue: queue.Queue[T | _Finished | _Raised] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._finished = False
         self._thread = threading.Thread(target=self._run, args=(produce,), name=name, daemon=True)
@@ -49,7 +49,7 @@ class Producer(Generic[T]):
         except BaseException as e:  # raised in the consumer by next()
             self._put(_Raised(e))
 
-    def _put(self, item: object) -> bool:
+    def _put(self, item: T | _Finished | _Raised) -> bool:
         """Hand `item` over, waiting for room; False once the consumer has closed."""
         while not self._stop.is_set():
             try:
@@ -70,9 +70,9 @@ class Producer(Generic[T]):
                 continue
             if isinstance(item, _Finished | _Raised):
                 self._finished = True
-            if isinstance(item, _Raised):
-                raise item.exc
-            if not self._finished:
+                if isinstance(item, _Raised):
+                    raise item.exc
+            elif not self._finished:
                 return item
         raise StopIteration
 

@@ -146,14 +146,15 @@ class StageProfiler:
     def maybe_report(self, *, force: bool = False) -> str | None:
         """Log and return a report of everything recorded since the last one, once `interval` seconds
         have passed since it (or now, if `force`); None otherwise. Each report starts a new interval."""
-        if not self.enabled:
+        interval = self.interval
+        if interval is None:  # off (not `enabled`)
             return None
-        if not force and self.clock() - self._last < self.interval:
+        if not force and self.clock() - self._last < interval:
             return None  # the common case, decided without the lock
         with self._lock:
             now = self.clock()
             elapsed = now - self._last
-            if not force and elapsed < self.interval:
+            if not force and elapsed < interval:
                 return None  # another thread reported in the meantime
             self._resolve()
             self._last = now

@@ -48,7 +48,7 @@ def nesting_depth(value: Any) -> int:
 def _load_value(hint: Any, value: Any, what: str, limits: tuple[int, int], bounds: dict[str, tuple[int, int]]) -> Any:
     """One field checked against its type hint; integers must lie in `limits`."""
     lo, hi = limits
-    if is_dataclass(hint):
+    if isinstance(hint, type) and is_dataclass(hint):  # a dataclass (a hint is never an instance of one)
         return load_dataclass(hint, value, what, bounds)
     if hint is int:
         return json_int(value, what, lo, hi)

@@ -186,8 +186,9 @@ def _raw_bytes_per_token(job: Job) -> int:
             + sum(TOKEN_ARRAYS[k].itemsize for k in per_token))
 
 
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
+def _existing_parent(local: Path | str) -> Path:
+    """The local path `local`, or its nearest parent that exists: where its free space is measured."""
+    path = Path(local).absolute()
     while not path.exists():
         path = path.parent
     return path

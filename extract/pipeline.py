@@ -135,6 +135,12 @@ class RankExtractor:
             self._slots = PinnedSlots(self.specs, need, self.writers + 2)
             log.info("pinned %d host buffers of %d tokens in %.1fs", self.writers + 2, need, time.perf_counter() - t0)
 
+    def _pinned(self) -> PinnedSlots:
+        """The pinned host buffers of a CUDA rank's copies, which `prepare` made."""
+        if self._slots is None:
+            raise RuntimeError("RankExtractor: no pinned host buffers; prepare() makes them before a CUDA forward")
+        return self._slots
+
     def run(self, batches: list[PlannedBatch]) -> RankResult:
         total = sum(b.num_tokens for b in batches)
         t0 = time.perf_counter()
@@ -155,7 +161,7 @@ class RankExtractor:
             in_flight.release()
             if fut.cancelled():
                 if pending is not None:  # a dropped write's pinned buffer goes back to the pool
-                    self._slots.release(pending[1])
+                    self._pinned().release(pending[1])
             elif fut.exception() is None:
                 with bar_lock:
                     bar.update(n_tokens)
@@ -206,21 +212,21 @@ class RankExtractor:
             features = self.capture(*inputs)
         with self.profiler.device_span("target.encode", stream):
             encoded = self.codec.encode(features, self.n_layers)
-        if not self.cuda:  # fresh tensors per batch: nothing reuses them, no copy needed
+        copy_stream = self.copy_stream  # None exactly when not on CUDA
+        if copy_stream is None:  # fresh tensors per batch: nothing reuses them, no copy needed
             return encoded, None
         ready = torch.cuda.Event()
         ready.record(stream)
-        assert self._slots is not None
-        slot = self._slots.acquire()
+        slot = self._pinned().acquire()
         out: dict[str, torch.Tensor] = {}
-        self.copy_stream.wait_event(ready)
-        with torch.cuda.stream(self.copy_stream), self.profiler.device_span("target.d2h", self.copy_stream):
+        copy_stream.wait_event(ready)
+        with torch.cuda.stream(copy_stream), self.profiler.device_span("target.d2h", copy_stream):
             for k, v in encoded.items():
-                v.record_stream(self.copy_stream)  # keep the allocator off it until the copy is done
+                v.record_stream(copy_stream)  # keep the allocator off it until the copy is done
                 out[k] = slot[k][: v.shape[0]]
                 out[k].copy_(v, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record(self.copy_stream)
+        copied.record(copy_stream)
         return out, (copied, slot)
 
     def _write(self, host: ExtractBatch, arrays: dict[str, torch.Tensor], pending: tuple | None) -> SegmentRecord:
@@ -232,7 +238,7 @@ class RankExtractor:
                 copied.synchronize()
             return self._write_segment(host, arrays)
         finally:
-            self._slots.release(slot)
+            self._pinned().release(slot)
 
     def _write_segment(self, host: ExtractBatch, arrays: dict[str, torch.Tensor]) -> SegmentRecord:
         with self.profiler.span("writer.compress_write_commit"):

@@ -393,10 +393,11 @@ def regenerate_batch(model: torch.nn.Module, encoder: ChatEncoder, conversations
     for k in range(max((len(t) for t in turns), default=0)):
         todo, prompts = [], []
         for r, t in enumerate(turns):
-            if len(t) <= k or convs[r] is None:
+            conv = convs[r]
+            if len(t) <= k or conv is None:
                 continue
             try:
-                text = encoder.render(convs[r][:t[k]], generation_prompt=True)
+                text = encoder.render(conv[:t[k]], generation_prompt=True)
             except TEMPLATE_ERRORS as exc:  # the row is dropped, as extract drops it
                 log.debug("row dropped: the chat template failed: %s", exc)
                 convs[r] = None

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -285,7 +286,9 @@ class Pretrainer:
         self.cfg = cfg
         self.device = device
         self.model = build_model(cfg.seed).to(device).train()
-        self.step_model: nn.Module = torch.compile(self.model) if use_compile(cfg.compile, device) else self.model
+        # (torch types compile's result as the callable it was given; for a module it is a module)
+        self.step_model: nn.Module = cast(nn.Module, torch.compile(self.model)) if use_compile(cfg.compile, device) \
+            else self.model
         self.opt = make_optimizer(self.model, cfg, device)
         self.train_tokens = torch.from_numpy(train_tokens).to(device)
         self.heldout_tokens = torch.from_numpy(heldout_tokens).to(device)
@@ -488,7 +491,7 @@ def _pretrain_into(cfg: PretrainConfig, stage: Path) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> PretrainConfig:
     d = PretrainConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", type=Path, default=d.out, help="where the five files are written")
     ap.add_argument("--source", type=Path, default=None, help="directory of .py files (default: this Python's stdlib)")

@@ -23,6 +23,7 @@ dflash_cache.train.checkpoint).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,8 +40,11 @@ BLOCK = 1024
 # several programs and a partial last one.
 INTERPRETER_BLOCK = 16384
 NUM_WARPS = 4
-tl = None  # triton.language, bound on first kernel build (the import is lazy)
-_round_to_bf16 = None  # the kernel's helper, bound there too
+if TYPE_CHECKING:  # as the kernels see it once built (typed as None, each tl.* in them would be an error)
+    import triton.language as tl
+else:
+    tl = None  # triton.language, bound on first kernel build (the import is lazy)
+    _round_to_bf16 = None  # the kernel's helper, bound there too
 
 
 @functools.cache
@@ -182,7 +186,8 @@ class TritonAdamW(torch.optim.AdamW):
                         group["lr"] / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
                         HAS_DIVISOR=divisor is not None, HAS_SKIP=skip is not None, HAS_MASTER=master is not None,
                         BLOCK=block,
-                        num_warps=num_warps)
+                        # a launch option, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+                        num_warps=num_warps)  # pyright: ignore[reportCallIssue]
         return loss
 
     def _launch(self, interpret: bool) -> tuple[int, int]:

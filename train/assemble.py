@@ -30,7 +30,7 @@ from dflash_cache.train.live_source import LiveData, LiveSource, LiveTargets, li
 from dflash_cache.train.place import Place
 
 if TYPE_CHECKING:
-    from dflash_cache.train.run_config import TrainConfig
+    from dflash_cache.train.run_config import LiveConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def open_cache(location: str, *, allow_incomplete: bool) -> CacheReader:
 
 
 def cache_parts(cfg: TrainConfig, place: Place) -> Parts:
+    if cfg.cache is None:
+        raise ValueError("cache_parts: this run trains live (TrainConfig.live), not from a cache")
     reader = open_cache(cfg.cache, allow_incomplete=cfg.allow_incomplete)
     m = reader.manifest
     target = describe_target(TargetSpec(model=cfg.target, layers=tuple(m.layer_ids),
@@ -101,11 +103,18 @@ def target_devices(spec: str, drafter: torch.device, rank: int = 0, world: int =
     return [torch.device("cuda", i) for i in mine]
 
 
+def _live(cfg: TrainConfig) -> LiveConfig:
+    """The live options of a run that trains live (a TrainConfig holds them or a cache)."""
+    if cfg.live is None:
+        raise ValueError("this run trains from a cache (TrainConfig.cache), not live")
+    return cfg.live
+
+
 def live_dataset(cfg: TrainConfig, data: str, limit: int | None, *, vocab_size: int,
                  max_context: int | None) -> LiveData:
     """A dataset the live target runs on (--data, or a held-out --eval-data): its rows under --max-len,
     checked against the target's context, and the sample table a cache of it would hold."""
-    live = cfg.live
+    live = _live(cfg)
     dataset = open_data(data, limit, ChatSpec(cfg.target, live.chat_template, cfg.trust_remote_code))
     scan = dataset.scan(vocab_size=vocab_size, max_len=live.max_len, overlong=live.overlong)
     check_context(scan.lengths, max_context, dataset)
@@ -114,7 +123,7 @@ def live_dataset(cfg: TrainConfig, data: str, limit: int | None, *, vocab_size: 
 
 
 def live_parts(cfg: TrainConfig, place: Place) -> Parts:
-    live = cfg.live
+    live = _live(cfg)
     target = describe_target(TargetSpec(model=cfg.target, dtype=live.dtype, num_layers=live.num_target_layers,
                                         layers=live.layers, trust_remote_code=cfg.trust_remote_code))
     data = live_dataset(cfg, live.data, live.limit, vocab_size=target.identity.vocab_size,

@@ -120,8 +120,11 @@ class Bookkeeper:
             torch.cuda.synchronize(device)
         now = time.perf_counter()
         build = f"set-up {self.build_seconds:.1f}s, " if self.build_seconds is not None else ""
-        warm = (f"{len(shapes.anchors)} static shapes ({shapes.describe()}) compiled in {self.warm_up:.1f}s, "
-                if self.warm_up is not None else "")
+        warm = ""
+        if self.warm_up is not None:  # the static shapes were compiled
+            if shapes is None:
+                raise RuntimeError("Bookkeeper: a warm-up was timed for a run without static shapes")
+            warm = f"{len(shapes.anchors)} static shapes ({shapes.describe()}) compiled in {self.warm_up:.1f}s, "
         log.log(run_level(logging.INFO, self.place.rank), "start-up: %s%sfirst batch %.1fs, first step %.1fs "
                 "(compilation included)", build, warm, self.t_batch - self.t_start, now - self.t_batch)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,7 +56,8 @@ class CacheSource(PlannedSource):
     def close(self) -> None:
         """Nothing to release: reader threads live only while `iterate` runs."""
 
-    def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
+    def iterate(self, start: Position,
+                epochs: int | None = None) -> Generator[tuple[Position, PackedBatch], None, None]:
         """From `start` on, epoch after epoch (forever if `epochs` is None). Reads run `prefetch`
         batches ahead across epoch boundaries too, so a new epoch starts without a bubble."""
         planned = self.planned(start, epochs)

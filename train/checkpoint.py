@@ -108,8 +108,10 @@ def _load_masters(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weig
     into the bf16 parameters)."""
     if not hasattr(optimizer, "master_weights"):
         return
-    lowered = {id(p) for p in optimizer.master_weights()}
-    optimizer.load_masters({p: weights[n] for n, p in model.named_parameters() if id(p) in lowered})
+    # an optimizer that keeps masters (TritonAdamW), whose methods torch's Optimizer type lacks
+    lowered = {id(p) for p in optimizer.master_weights()}  # pyright: ignore[reportAttributeAccessIssue]
+    optimizer.load_masters(  # pyright: ignore[reportAttributeAccessIssue]
+        {p: weights[n] for n, p in model.named_parameters() if id(p) in lowered})
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

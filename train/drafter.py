@@ -296,12 +296,13 @@ class DFlashDrafter(nn.Module):
     def _runners(self, static: bool, eager: bool, shape: tuple[int, int]) -> tuple[tuple, Callable]:
         """(layer, fuse-context and final-norm functions, FlexAttention) for a call: plain ones
         when eager or never compiled, else the dynamic graph's or the static shape's own."""
-        if not self.compiled:
+        dynamic = self._dynamic_runners
+        if dynamic is None:  # never compiled
             return (_run_layer, _fuse_context, _final_norm), self.flex_attention_fn
         if eager:
             return (_run_layer, _fuse_context, _final_norm), default_flex_attention
         if not static:
-            return self._dynamic_runners, self.flex_attention_fn
+            return dynamic, self.flex_attention_fn
         runners = self._static_runners.get(shape)
         if runners is None:
             runners = self._static_runners[shape] = tuple(
@@ -358,6 +359,9 @@ class FrozenTargetHead(nn.Module):
     """The target's embedding and LM head weights [V, H] as non-persistent buffers: never trained,
     never saved with the drafter. A tied target shares one tensor for both."""
 
+    embed_weight: torch.Tensor  # the buffers, declared for type checkers (nn.Module's are Tensor | Module)
+    lm_weight: torch.Tensor
+
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         super().__init__()
         if embed_weight.shape != lm_head_weight.shape:
@@ -368,8 +372,11 @@ class FrozenTargetHead(nn.Module):
 
     @classmethod
     def from_target(cls, model: nn.Module) -> FrozenTargetHead:
-        embed = model.get_input_embeddings().weight
-        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # an HF model's methods (nn.Module types the attributes it does not declare as Tensor | Module)
+        embed = model.get_input_embeddings().weight  # pyright: ignore[reportCallIssue]
+        out = None
+        if hasattr(model, "get_output_embeddings"):
+            out = model.get_output_embeddings()  # pyright: ignore[reportCallIssue]
         if out is None:
             if not getattr(model.config, "tie_word_embeddings", False):
                 raise ValueError(f"{type(model).__name__} has no LM head and does not tie its embeddings")

@@ -195,7 +195,8 @@ def _drafter_config(config: dict) -> DrafterConfig:
         num_key_value_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
         rms_norm_eps=config["rms_norm_eps"],
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta"))),
+        # a null rope_theta fails here (TypeError): config_from_export reports it as a bad value
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta"))),  # pyright: ignore[reportArgumentType]
         max_position_embeddings=config["max_position_embeddings"],
         vocab_size=config["vocab_size"],
         block_size=config["block_size"],

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,7 +112,8 @@ class LiveSource(PlannedSource):
         if self.tee is not None:
             self.tee.close()
 
-    def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
+    def iterate(self, start: Position,
+                epochs: int | None = None) -> Generator[tuple[Position, PackedBatch], None, None]:
         for epoch, first, plan in self.epoch_plans(start, epochs):
             # Closed explicitly: a consumer that stops early must find the workers stopped and
             # joined, not still running forwards that the next source would race with.
@@ -126,7 +127,7 @@ class LiveSource(PlannedSource):
                         self.tee(first + i * self.world + self.rank, made.batch, made.ready)
                     yield position_after(epoch, first, i, self.world), made.batch
 
-    def _run_epoch(self, plan: list[np.ndarray]) -> Iterator[tuple[int, _Made]]:
+    def _run_epoch(self, plan: list[np.ndarray]) -> Generator[tuple[int, _Made], None, None]:
         n = len(self.targets.captures)
         jobs = list(range(len(plan)))
         workers = [Producer(functools.partial(self._made, k, plan, jobs[k::n]), depth=self.targets.queue_depth // n,
@@ -170,7 +171,9 @@ class LiveSource(PlannedSource):
                 inputs = ForwardInputs.of_rows([rows[j].input_ids for j in fb.rows], pin=device.type == "cuda")
                 with self.profiler.device_span("target.model_forward", stream):
                     parts.append(capture(*inputs.to(device)))
-                order += [np.arange(offsets[j], offsets[j + 1]) for j in fb.rows]
+                # (numpy's stubs take an element of an array indexed by an untyped value for an array)
+                order += [np.arange(offsets[j], offsets[j + 1])  # pyright: ignore[reportCallIssue, reportArgumentType]
+                          for j in fb.rows]
             # token t of the training batch sits at place[t] of the concatenated forward outputs
             place = np.empty(packed.num_tokens, dtype=np.int64)
             place[np.concatenate(order)] = np.arange(packed.num_tokens)

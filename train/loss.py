@@ -86,9 +86,9 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             part, correct[start:end], grad_logits = chunk_fn(logits, labels[start:end], w_all[start:end],
                                                                  total_w if need_grad else None)
             loss = loss + part
-            if need_grad and hidden.dtype == head.dtype:
+            if grad_hidden is not None and hidden.dtype == head.dtype:  # (grad_hidden: exactly with need_grad)
                 torch.mm(grad_logits, head, out=grad_hidden[start:end])
-            elif need_grad:
+            elif grad_hidden is not None:
                 grad_hidden[start:end] = (grad_logits @ head).to(hidden.dtype)
             del logits, grad_logits
         loss = loss / total_w

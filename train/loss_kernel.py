@@ -17,6 +17,7 @@ Triton interpreter truncates instead, which the CPU tests allow for.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +27,10 @@ _WHO = "loss kernel"
 # Columns per iteration, 32 float32 per thread at 8 warps. On an H200 (bench/lm_head.py, one 3,840-row
 # chunk) 8,192 took 1.068 and 1.076 ms on two days where 4,096 took 1.111 and 1.119.
 BLOCK_V = 8192
-tl = None  # triton.language, bound on first kernel build (the import is lazy)
+if TYPE_CHECKING:  # as the kernels see it once built (typed as None, each tl.* in them would be an error)
+    import triton.language as tl
+else:
+    tl = None  # triton.language, bound on first kernel build (the import is lazy)
 
 
 @functools.cache
@@ -102,7 +106,8 @@ def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weig
         with on_device_of(logits):
             _build_kernel(interpret)[(rows,)](logits, labels, row_scale, ce, correct, vocab, logits.stride(0),
                                               HAS_GRAD=has_grad, BLOCK=min(block, _next_power_of_2(vocab)),
-                                              num_warps=num_warps)
+                                              # a launch option, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+                                              num_warps=num_warps)  # pyright: ignore[reportCallIssue]
     loss_sum = torch.where(weights != 0, ce * weights, torch.zeros_like(ce)).sum()
     return loss_sum, correct.bool(), logits if has_grad else None
 

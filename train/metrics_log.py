@@ -107,12 +107,15 @@ class MetricsLog:
             torch.distributed.all_reduce(stats)
             stats[:-1] /= self.world  # the skip counts too: every rank skips the same steps (all-reduced gradients)
             tokens *= self.world
+        since = self._since
+        if since is None:
+            raise RuntimeError("MetricsLog.queue before start(): the window has no start to time it from")
         until, ready = self._mark(), None
         if self._host is not None:
             stats = self._host.copy_(stats, non_blocking=True)  # the row before is written: it is free
             ready = torch.cuda.Event()
             ready.record()
-        self._queued = _Queued(stats, ready, self._since, until, row, tokens, self._left_out)
+        self._queued = _Queued(stats, ready, since, until, row, tokens, self._left_out)
         self._since, self._left_out = until, 0.0
 
     def write(self) -> bool:
@@ -123,7 +126,13 @@ class MetricsLog:
             return False
         if q.ready is not None:
             q.ready.synchronize()
-        seconds = q.since.elapsed_time(q.until) / 1e3 if isinstance(q.until, torch.cuda.Event) else q.until - q.since
+        since, until = q.since, q.until  # both device events, or both host times (the device decides)
+        if isinstance(since, torch.cuda.Event) and isinstance(until, torch.cuda.Event):
+            seconds = since.elapsed_time(until) / 1e3
+        elif isinstance(since, torch.cuda.Event) or isinstance(until, torch.cuda.Event):
+            raise RuntimeError("MetricsLog: a window timed by a device event at one end and host time at the other")
+        else:
+            seconds = until - since
         seconds -= q.left_out
         loss, acc, stop = float(q.stats[0]), q.stats[1:-3], bool(q.stats[-1] > 0)  # acc: slots 1..B-1
         skipped, skip_run = int(round(float(q.stats[-3]))), int(round(float(q.stats[-2])))

@@ -79,12 +79,13 @@ def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramet
     # clip_grad_norm_'s coefficient, max_norm / (norm + 1e-6) capped at 1, as a divisor
     norm = total_grad_norm([p.grad for p in params if p.grad is not None])
     skipped = ~torch.isfinite(norm)
-    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
-    optimizer.found_inf = skipped.to(torch.float32)
+    # torch's loss-scaling protocol: attributes that fused optimizers read, which its Optimizer type lacks
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # pyright: ignore[reportAttributeAccessIssue]
+    optimizer.found_inf = skipped.to(torch.float32)  # pyright: ignore[reportAttributeAccessIssue]
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale, optimizer.found_inf
+        del optimizer.grad_scale, optimizer.found_inf  # pyright: ignore[reportAttributeAccessIssue]
     return skipped
 
 

@@ -45,7 +45,8 @@ class Schedule:
         self.scheduler.step()
 
     def last_lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        # (torch types it float | Tensor: a tensor only for a tensor lr, which the drafter's optimiser never has)
+        return self.scheduler.get_last_lr()[0]  # pyright: ignore[reportReturnType]
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict(), "total_steps": self.total_steps}
@@ -162,8 +163,9 @@ class RngStates:
             own["torch_cuda"] = torch.cuda.get_rng_state(device)
         per_rank = [own]
         if world > 1:
-            per_rank = [None] * world
-            torch.distributed.all_gather_object(per_rank, own)
+            gathered: list[Any] = [None] * world  # all_gather_object puts every rank's states in
+            torch.distributed.all_gather_object(gathered, own)
+            per_rank = gathered
         return {f"{k}.rank{r}": v for r, states in enumerate(per_rank) for k, v in states.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

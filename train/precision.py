@@ -52,8 +52,9 @@ class Precision:
         return torch.autocast(device.type, dtype=LOW, enabled=self.autocast)
 
 
-def linear_weights(model: nn.Module) -> list[nn.Parameter]:
-    """The weights that master_weights holds in bf16: every nn.Linear's (the drafter has no biases)."""
+def linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights (parameters) that master_weights holds in bf16: every nn.Linear's (the drafter has
+    no biases)."""
     return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
 
 
@@ -66,6 +67,8 @@ def fp32_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):
     buffer = bucket.buffer()
     world = dist.get_world_size(group)
     work = dist.all_reduce(buffer.to(torch.float32), group=group, async_op=True)
+    if work is None:  # not reached: with async_op=True it returns its Work (torch types it optional)
+        raise RuntimeError("all_reduce(async_op=True) returned no Work")
     if buffer.is_cuda:  # NCCL runs the callback on this thread, ordered on the stream: the copy overlaps
         return work.get_future().then(lambda fut: buffer.copy_(fut.value()[0].div_(world)))
     # gloo would run a Python callback on its worker thread, and release it there after the step has

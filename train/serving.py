@@ -16,6 +16,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from dflash_cache.errors import UserError
 from dflash_cache.train.export import (
@@ -58,7 +59,7 @@ def export_dir_of(path: Path) -> Path:
     return path / EXPORT_DIR if (path / EXPORT_DIR / CONFIG_NAME).is_file() else path
 
 
-def _int(value: object) -> bool:
+def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -11,7 +11,7 @@ from the position on resume, so two integers resume a source exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -29,9 +29,11 @@ class Source(Protocol):
     config: SourceConfig
     position: Position
 
-    def iterate(self, start: Position, epochs: int | None = None) -> Iterator[tuple[Position, PackedBatch]]:
+    def iterate(self, start: Position,
+                epochs: int | None = None) -> Generator[tuple[Position, PackedBatch], None, None]:
         """(position after the batch, the batch) from `start` on, epoch after epoch (forever if
         `epochs` is None)."""
+        ...
 
     def epoch_batches(self, epoch: int, start: int = 0) -> list[np.ndarray]: ...
 
@@ -43,6 +45,7 @@ class Source(Protocol):
 
     def identity(self) -> dict[str, str]:
         """What a resumed run must find again (the same samples, in the same stored form)."""
+        ...
 
     def advance(self, position: Position) -> None: ...
 

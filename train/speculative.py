@@ -64,7 +64,8 @@ def new_cache(model: nn.Module):
     from dflash_cache.target.model import has_linear_attention, text_config
 
     hybrid = has_linear_attention(text_config(model.config))
-    return DynamicCache(config=model.config) if hybrid else DynamicCache()
+    # (an HF model's config: nn.Module types the attributes it does not declare as Tensor | Module)
+    return DynamicCache(config=model.config) if hybrid else DynamicCache()  # pyright: ignore[reportArgumentType]
 
 
 @torch.no_grad()
@@ -135,7 +136,10 @@ class TargetSession:
 
     def keep(self, n: int) -> None:
         """Keep the first n tokens of the last forward, drop the rest."""
-        k = int(self._last.shape[1])
+        last = self._last
+        if last is None:
+            raise RuntimeError("keep() before forward(): there is no forward to keep tokens of")
+        k = int(last.shape[1])
         if n == k:
             return
         if not self._snapshot:
@@ -144,7 +148,7 @@ class TargetSession:
         self._drop_attention_tail(k)
         for snapshot in self._snapshot:
             snapshot.restore()
-        self.target(input_ids=self._last[:, :n], **{**self.kw, "output_hidden_states": False})
+        self.target(input_ids=last[:, :n], **{**self.kw, "output_hidden_states": False})
 
     def _drop_attention_tail(self, k: int) -> None:
         """Remove the last k tokens from every layer's key/value cache (linear-attention layers have none)."""
@@ -153,8 +157,8 @@ class TargetSession:
         for layer in self.cache.layers:
             if isinstance(layer, DynamicLayer):
                 DynamicLayer.crop(layer, -k)  # the KV part only, also of a hybrid layer
-            elif not _is_recurrent(layer):
-                layer.crop(-k)
+            elif not _is_recurrent(layer):  # an attention layer (transformers' layer base type has no crop)
+                layer.crop(-k)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _one_block(anchor_pos: int, cfg: DrafterConfig, device: torch.device) -> Blocks:

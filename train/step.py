@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -154,7 +154,8 @@ class StepRunner:
                                 compile=self.backend == "flex")
         return StepInputs(blocks=blocks, context=context, masks=masks, shape=shape, real_rows=batch.num_tokens)
 
-    def train_steps(self, items: Iterable[tuple[K, PackedBatch]]) -> Iterator[tuple[K, PackedBatch, dict]]:
+    def train_steps(self, items: Iterable[tuple[K, PackedBatch]]
+                    ) -> Generator[tuple[K, PackedBatch, dict], None, None]:
         """One step per (key, batch), yielding (key, batch, the step's metrics) after each.
 
         While a step's forward and loss are queued on the device, the host takes the next batch,
@@ -221,7 +222,10 @@ class StepRunner:
         return skipped
 
     def _step_flops(self, batch: PackedBatch, blocks: Blocks) -> float:
-        """The model FLOPs of the step on `blocks` (its real anchors: padding is not counted)."""
+        """The model FLOPs of the step on `blocks` (its real anchors: padding is not counted), whose
+        `prefix_keys` were counted (anchors sampled on the host)."""
+        if blocks.prefix_keys is None:
+            raise ValueError("_step_flops: the anchors were sampled on the device, without prefix_keys")
         return step_flops(self.drafter_cfg, context_tokens=batch.num_tokens, num_blocks=blocks.real_anchors,
                           prefix_keys=blocks.prefix_keys).total
 
@@ -293,7 +297,8 @@ class StepRunner:
         t0 = time.perf_counter()
         generator, idle = torch.Generator().manual_seed(0), StageProfiler(None)
         block_size, width = self.cfg.block_size, self.drafter_cfg.num_target_layers * self.drafter_cfg.hidden_size
-        for i, shape in enumerate(self.shapes.shapes if self.shapes is not None else []):
+        shapes = self.shapes.shapes if self.shapes is not None else []
+        for i, shape in enumerate(shapes):
             t_shape = time.perf_counter()
             batch = warm_up_batch(shape, block_size=block_size, width=width, device=self.device)
             blocks = sample_anchors(batch, block_size=block_size, num_anchors=shape.anchors, max_anchors=shape.anchors,
@@ -305,6 +310,6 @@ class StepRunner:
             self.model.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            log.info("static shape %d of %d (%s) ready in %.1fs", i + 1, len(self.shapes.anchors), shape,
+            log.info("static shape %d of %d (%s) ready in %.1fs", i + 1, len(shapes), shape,
                      time.perf_counter() - t_shape)
         return time.perf_counter() - t0

@@ -96,10 +96,12 @@ class CacheTee:
         self._futures.append(fut)
 
     def _write(self, g: int, batch: PackedBatch, ready: torch.cuda.Event | None) -> None:
-        features = batch.features
-        with torch.cuda.stream(self._stream) if features.is_cuda else contextlib.nullcontext():
+        features, stream = batch.features, self._stream  # the stream: made by __call__ for a batch on a GPU
+        with torch.cuda.stream(stream) if features.is_cuda else contextlib.nullcontext():
             if ready is not None:
-                self._stream.wait_event(ready)
+                if stream is None:
+                    raise RuntimeError("CacheTee: a batch with a device event but no copy stream")
+                stream.wait_event(ready)
             encoded = {k: v.cpu() for k, v in self.codec.encode(features, self.n_layers).items()}
         commit_segment(self.root, self.plan.batches[g], HostBatch.from_packed(batch), encoded, specs=self.specs,
                        rank=self.rank)

@@ -44,6 +44,7 @@ from dflash_cache.train.bookkeeping import Bookkeeper
 from dflash_cache.train.checkpoint import list_checkpoints
 from dflash_cache.train.checkpointer import Checkpointer, CheckpointParts, check_same_run, options_json
 from dflash_cache.train.config import DrafterConfig
+from dflash_cache.train.drafter import DFlashDrafter
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.export import export_drafter
 from dflash_cache.train.flops import device_peak_flops, step_flops
@@ -104,7 +105,8 @@ class Trainer:
                                       compiled=compiles(cfg, device))
         per_epoch = self.source.batches_per_epoch()
         if per_epoch == 0:
-            raise UserError(f"{cfg.cache or cfg.live.data} yields no training batch: no sample has >= "
+            data = cfg.cache if cfg.live is None else cfg.live.data  # a TrainConfig holds one of them
+            raise UserError(f"{data} yields no training batch: no sample has >= "
                             f"{2 * cfg.block_size} supervised tokens (DFlash drops shorter ones); lower "
                             "--block-size or add data")
         total_steps = per_epoch * cfg.epochs if cfg.max_steps is None else cfg.max_steps
@@ -136,7 +138,7 @@ class Trainer:
         log.log(run_level(level, self.place.rank), message, *args)
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> DFlashDrafter:
         return self.drafter.model
 
     @property
@@ -154,7 +156,7 @@ class Trainer:
             self._metrics.write()
         return self.checkpointer.save()
 
-    def fit(self, record: Callable[[], AbstractContextManager[Any]] | None = None) -> dict[str, float]:
+    def fit(self, record: Callable[[], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
         """Train until max_steps or the epochs are done; checkpoint, export and return the last metrics.
 
         A SIGINT/SIGTERM stops the run at the next step boundary (every step with one process, at the
@@ -259,7 +261,7 @@ class Trainer:
 
     def _explained(self, steps: Iterator[T]) -> Iterator[T]:
         """`steps`, each explained as `_explaining_compile_failures` explains a compiler failure."""
-        while (item := self._explaining_compile_failures(next, steps, None)) is not None:
+        while (item := self._explaining_compile_failures(partial(next, steps, None))) is not None:
             yield item
 
     def _between_steps(self, book: Bookkeeper) -> None:
@@ -267,13 +269,13 @@ class Trainer:
         if self.step % self.cfg.save_every == 0:
             self.save()
         if self.validation is not None and self.validation.due(self.step):
-            self._evaluate(book.metrics)
+            self._evaluate(self.validation, book.metrics)
 
-    def _end(self, book: Bookkeeper, fit_from: int) -> dict[str, float]:
+    def _end(self, book: Bookkeeper, fit_from: int) -> dict[str, Any]:
         """The last row, the end's evaluation, the last checkpoint and the export."""
         book.finish()
         if self.validation is not None and self.step > fit_from and not self.validation.due(self.step):
-            self._evaluate(book.metrics)  # the end's, unless the last step's was one
+            self._evaluate(self.validation, book.metrics)  # the end's, unless the last step's was one
         self.place.profiler.maybe_report(force=True)  # the last interval, or a run shorter than one
         if self.runner.shapes is not None:
             record = self.runner.shape_record
@@ -298,10 +300,10 @@ class Trainer:
                       "written, so it is complete", path, self.out / EXPORT_DIR)
         return book.metrics.last
 
-    def _evaluate(self, metrics: MetricsLog) -> None:
-        """Evaluate the drafter on the held-out batches (`Validation.run`): its row and line follow the
-        step's training row, and its time is left out of the training rate."""
-        result = self._explaining_compile_failures(self.validation.run, self.runner, self.step)
+    def _evaluate(self, validation: Validation, metrics: MetricsLog) -> None:
+        """Evaluate the drafter on the held-out batches (`validation.run`, the run's): its row and line
+        follow the step's training row, and its time is left out of the training rate."""
+        result = self._explaining_compile_failures(validation.run, self.runner, self.step)
         metrics.add(result.row(), result.line())
         metrics.leave_out(result.seconds)
 
@@ -310,7 +312,8 @@ class Trainer:
         GPU its Triton does not support) reported as one line naming the way out."""
         try:
             return fn(*args)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        # torch._dynamo imports its submodule exc without naming it, so type checkers miss it
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # pyright: ignore[reportAttributeAccessIssue]
             way_out = "--attention-kernels triton or --no-compile" if self.runner.attention_kernels == "flash" \
                 else "--no-compile"
             raise UserError(f"torch.compile could not build the drafter's kernels here ({compile_failure(e)}); "
@@ -360,7 +363,7 @@ def truncate_metrics(path: Path, step: int) -> None:
         write_bytes_atomic(path, "".join(f"{line}\n" for line in kept).encode())
 
 
-def train(cfg: TrainConfig, device: str = "auto", gpus: str | None = None) -> dict[str, float]:
+def train(cfg: TrainConfig, device: str = "auto", gpus: str | None = None) -> dict[str, Any]:
     """Single process, or one rank under torchrun or `train --gpus` (NCCL on GPUs, gloo on CPUs);
     `gpus`, the --gpus that started it, is what OUT/config.yaml records in place of --device."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

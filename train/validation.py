@@ -116,6 +116,8 @@ class Validation:
         share = len(range(rank, cfg.eval_batches, world))  # global batch i is rank i % world's
         config = dataclasses.replace(source_config(cfg), seed=EVAL_SEED, max_batches=share)
         drafter_cfg, target = parts.drafter_cfg, parts.target
+        if target is None:
+            raise ValueError("--eval-data: the run's parts name no target to check the held-out data against")
         try:
             if cfg.live is None or is_cache(data):
                 reader = open_cache(data, allow_incomplete=cfg.allow_incomplete)
@@ -123,9 +125,12 @@ class Validation:
                                hidden_size=drafter_cfg.hidden_size)
                 source = CacheSource(reader, config, dataclasses.replace(place, profiler=StageProfiler(None)))
             else:
+                live = parts.source
+                if not isinstance(live, LiveSource):
+                    raise ValueError("--eval-data with --live: the run's source does not run the targets")
                 held_out = live_dataset(cfg, data, None, vocab_size=target.vocab_size,
                                         max_context=drafter_cfg.max_position_embeddings)
-                source = parts.source.for_dataset(held_out, config)
+                source = live.for_dataset(held_out, config)
         except UserError as e:
             raise type(e)(f"--eval-data: {e}") from None
         planned = world * len(source.table.epoch(config, 0, rank, world))  # every process plans as many

@@ -157,8 +157,11 @@ class TokenizedDataset:
             if not _is_list(arr.type):
                 raise UserError(f"{name} must be a list of integers per row, but its type is {arr.type}{where}; "
                                 "store token ids as lists of ints")
-        lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-        mlengths = pc.list_value_length(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+        # pyarrow.compute makes its functions when it is imported, where type checkers cannot see them
+        lengths = (pc.list_value_length(ids)  # pyright: ignore[reportAttributeAccessIssue]
+                   .to_numpy(zero_copy_only=False).astype(np.int64))
+        mlengths = (pc.list_value_length(mask)  # pyright: ignore[reportAttributeAccessIssue]
+                    .to_numpy(zero_copy_only=False).astype(np.int64))
         if (lengths == 0).any() and self._chat is None:
             bad = first + int(np.flatnonzero(lengths == 0)[0])
             raise UserError(f"{_where(bad, label)}: input_ids is empty; drop empty rows before caching")
@@ -176,7 +179,7 @@ class TokenizedDataset:
         if mcol == "labels":
             mask_np = (self._flat_ints(mask, mcol, first, label, lengths) != IGNORE_INDEX).astype(np.uint8)
         else:
-            values = pc.list_flatten(mask)
+            values = pc.list_flatten(mask)  # pyright: ignore[reportAttributeAccessIssue] (made at import, as above)
             if pa.types.is_boolean(values.type) and not values.null_count:
                 mask_np = values.to_numpy(zero_copy_only=False).astype(np.uint8)
             else:
@@ -192,7 +195,7 @@ class TokenizedDataset:
     @staticmethod
     def _flat_ints(arr: pa.Array, name: str, first: int, label: str, lengths: np.ndarray,
                    allow: str = "integers") -> np.ndarray:
-        values = pc.list_flatten(arr)
+        values = pc.list_flatten(arr)  # pyright: ignore[reportAttributeAccessIssue] (made at import: see above)
         if values.null_count:
             j = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
             raise UserError(f"{_where(first + _row_of(j, lengths), label)}: {name} contains a null value; "

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,15 +49,15 @@ from dflash_cache.store.segments import (
     Found,
     SegmentRecord,
     committed_names,
+    committed_segments,
     read_records,
-    record_files,
     records_from,
     segment_files,
 )
 
 
-def is_url(spec: str | Path) -> bool:
-    """A cache given as a URL (`scheme://...`) rather than a local path."""
+def is_url(spec: str | Path) -> TypeGuard[str]:
+    """A cache given as a URL (`scheme://...`) rather than a local path (a URL is always a str)."""
     return isinstance(spec, str) and "://" in spec
 
 
@@ -294,7 +294,7 @@ class RemoteCache:
             listing = self.fs.ls(self._key(COMMITS_DIR), detail=False)
         except FileNotFoundError:
             return []
-        return [record_segment(n) for n in record_files(str(entry).rsplit("/", 1)[-1] for entry in listing)]
+        return committed_segments(str(entry).rsplit("/", 1)[-1] for entry in listing)
 
     @_guarded
     def size(self, name: str) -> int | None:

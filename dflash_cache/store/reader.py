@@ -98,9 +98,10 @@ class _SegmentStore(WrapperStore):
                 raise MissingChunk(key)
         elif layout is not None and rest == ZARR_JSON:
             self._chunks[array] = ChunkCheck.of(json.loads(value.to_bytes()), layout)
-        elif self._chunks.get(array) is not None and (byte_range is None or isinstance(byte_range, RangeByteRequest)):
+        elif (check := self._chunks.get(array)) is not None and (
+                byte_range is None or isinstance(byte_range, RangeByteRequest)):
             # a whole shard, or one chunk of it (zarr asks for a shard's index by a suffix request)
-            problem = self._chunks[array].problem(value.as_numpy_array(), whole_shard=byte_range is None)
+            problem = check.problem(value.as_numpy_array(), whole_shard=byte_range is None)
             if problem:
                 raise ChunkClaim(f"{key}: {problem}")
         return value

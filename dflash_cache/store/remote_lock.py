@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from dflash_cache.errors import UserError, one_line
 from dflash_cache.files import json_bytes
@@ -220,7 +220,9 @@ class RemoteLock:
             if self._conditional:
                 from fsspec.asyn import sync
 
-                data, etag = sync(fs.loop, _get_with_etag, fs, self.key, MAX_LOCK_BYTES + 1)
+                # fsspec's sync is untyped (pyright infers None): it returns what _get_with_etag returns
+                data, etag = cast(tuple[bytes, str],
+                                  sync(fs.loop, _get_with_etag, fs, self.key, MAX_LOCK_BYTES + 1))
             else:
                 data, etag = fs.cat_file(self.key, start=0, end=MAX_LOCK_BYTES + 1), None
         except FileNotFoundError:

@@ -205,14 +205,17 @@ def verification(reader: CacheReader, *, repair: bool = False) -> dict[str, Any]
     missing = incomplete(reader)
     problems = found.problems + ([missing] if missing else [])
     out: dict[str, Any] = {"ok": not problems, "problems": problems, "damaged_segments": sorted(found.damaged)}
-    found_leftovers = leftovers(reader.root) if reader.root is not None else []
+    root = reader.root  # None: a cache on object storage
+    found_leftovers = leftovers(root) if root is not None else []
     if found_leftovers:  # not problems: nothing reads them
         out["leftovers"] = found_leftovers
     if found.damaged or found.index_problem:
         if repair:
-            out["repaired"] = uncommit(reader.root, found.damaged)
+            if root is None:  # the CLI refuses --repair for a URL before it reads anything
+                raise ValueError(f"verification: repair needs a cache directory, not {reader.location}")
+            out["repaired"] = uncommit(root, found.damaged)
         else:
-            out["hint"] = repair_hint(reader.root if reader.root is not None else str(reader.location))
+            out["hint"] = repair_hint(root if root is not None else str(reader.location))
     return out
 
 

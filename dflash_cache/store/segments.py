@@ -172,13 +172,19 @@ def read_records(root: Path) -> list[SegmentRecord]:
 def committed_names(root: Path) -> list[str]:
     """The committed segments' names, sorted, from one directory listing (no record is read)."""
     commits = root / COMMITS_DIR
-    return [record_segment(n) for n in record_files(p.name for p in commits.iterdir())] if commits.is_dir() else []
+    return committed_segments(p.name for p in commits.iterdir()) if commits.is_dir() else []
 
 
 def record_files(names: Iterable[str]) -> list[str]:
     """The commit records' file names among the file names of a commits directory, sorted:
     temporary files and strangers left out. Shared by local and remote caches."""
     return sorted(n for n in names if record_segment(n) is not None)
+
+
+def committed_segments(names: Iterable[str]) -> list[str]:
+    """The segments named by the commit records among the file names of a commits directory, in
+    `record_files`' order. Shared by local and remote caches."""
+    return [segment for n in record_files(names) if (segment := record_segment(n)) is not None]
 
 
 def records_from(names: Iterable[str], load: Callable[[str], Any]) -> list[SegmentRecord]:
@@ -464,9 +470,11 @@ def array_problems(read_meta: Callable[[str], Any], found: Found, layouts: dict[
         first = next((p for p in shard_problems if p), None)  # one per array is enough to name it
         if first is None and read_tail is not None and not layout.zeros:
             for i, rel in enumerate(shard_keys(key, layout.shape, shard)):
+                size = found[rel]
+                if size is None:  # not reached: _shard_problem named it (the array is not all zeros)
+                    raise RuntimeError(f"{rel}: a missing shard passed the check for missing shards")
                 written = -(-min(shard, layout.shape[0] - i * shard) // chunk)
-                first = shard_index_problem(rel, read_tail(rel, index_bytes, found[rel]), found[rel],
-                                            shard // chunk, written)
+                first = shard_index_problem(rel, read_tail(rel, index_bytes, size), size, shard // chunk, written)
                 if first:
                     break
         if first:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -69,7 +70,9 @@ class ForwardInputs:
 
     def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, attention, gather) copied to `device` without waiting: the capture's arguments."""
-        return tuple(t.to(device, non_blocking=True) for t in (self.input_ids, self.attention, self.gather))
+        input_ids, attention, gather = (t.to(device, non_blocking=True)
+                                        for t in (self.input_ids, self.attention, self.gather))
+        return input_ids, attention, gather
 
 
 class HiddenStateCapture:
@@ -83,13 +86,16 @@ class HiddenStateCapture:
     def __init__(self, model: nn.Module, layer_ids: list[int]) -> None:
         self.decoder = decoder_of(model)
         self.layer_ids = layer_ids
-        self.hidden_size = int(model.config.hidden_size)
+        # an HF model's config (nn.Module types the attributes it does not declare as Tensor | Module)
+        config = model.config
+        self.hidden_size = int(config.hidden_size)  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType]
         if hasattr(self.decoder, "norm"):
             self.decoder.norm = nn.Identity()  # the post-norm output of the cut stack is unused
         self._out: torch.Tensor | None = None
         self._gather: torch.Tensor | None = None
         self._busy = threading.Lock()  # the hooks read per-call state: one call at a time
-        self._hooks = [self.decoder.layers[layer_id].register_forward_hook(self._hook(col))
+        layers = cast(nn.ModuleList, self.decoder.layers)  # as decoder_of checked (nn.Module types it loosely)
+        self._hooks = [layers[layer_id].register_forward_hook(self._hook(col))
                        for col, layer_id in enumerate(layer_ids)]
 
     def remove(self) -> None:

@@ -28,8 +28,10 @@ def greedy_complete(model: nn.Module, prompts: list[list[int]], new_tokens: int,
         attention[r, p_len - len(p):] = 1
     stops = sorted(set(stop_ids))
     kwargs = {"eos_token_id": stops} if stops else {"min_new_tokens": new_tokens}
-    out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=pad_id, **kwargs)
+    # an HF model's method (nn.Module types the attributes it does not declare as Tensor | Module)
+    out = model.generate(  # pyright: ignore[reportCallIssue]
+        input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=pad_id, **kwargs)
     return out[:, p_len:].cpu().numpy()
 
 

@@ -131,7 +131,7 @@ class TargetDescription:
     decoder's (a multimodal checkpoint's text config), the one every size is read from."""
 
     spec: TargetSpec
-    config: object
+    config: Any  # a transformers config, whose fields depend on the architecture
     identity: TargetIdentity
     layer_ids: list[int]
 
@@ -146,7 +146,7 @@ class TargetDescription:
         return n if isinstance(n, int) and n > 0 else None
 
 
-def text_config(config):
+def text_config(config: Any) -> Any:
     """The decoder's config: a multimodal wrapper's `text_config` (Qwen3.5 publishes its text models
     as image-text checkpoints), else the config itself. Only the language model is ever built."""
     get = getattr(config, "get_text_config", None)
@@ -280,7 +280,8 @@ def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype,
         config.layer_types = config.layer_types[:keep]
     try:
         with _quiet_transformers():  # its report lists every weight of the layers cut away as unexpected
-            model, info = AutoModelForCausalLM.from_pretrained(
+            # (with output_loading_info it returns (model, info), which its annotation leaves out)
+            model, info = AutoModelForCausalLM.from_pretrained(  # pyright: ignore[reportGeneralTypeIssues]
                 str(TINY_DIR) if desc.spec.model == TINY else desc.spec.model, config=config, dtype=dtype,
                 output_loading_info=True, trust_remote_code=desc.spec.trust_remote_code, low_cpu_mem_usage=True,
                 **_tensor_parallel(tp_mesh),
@@ -296,7 +297,10 @@ def _load_language_model(desc: TargetDescription, keep: int, dtype: torch.dtype,
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The bare decoder stack (embeddings + layers) of a causal LM."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    if hasattr(model, "get_decoder"):  # an HF model's method (nn.Module types it as Tensor | Module)
+        base = model.get_decoder()  # pyright: ignore[reportCallIssue]
+    else:
+        base = getattr(model, "model", model)
     if not isinstance(getattr(base, "layers", None), nn.ModuleList):
         raise UserError(f"{type(model).__name__} has no decoder layer list; this architecture is not supported")
     return base

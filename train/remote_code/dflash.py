@@ -91,6 +91,8 @@ class DFlashAttention(nn.Module):
         super().__init__()
         h, d = config.hidden_size, config_head_dim(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if kv_heads is None:  # not reached: Qwen3Config sets it (to num_attention_heads when not given)
+            raise ValueError("the config has no num_key_value_heads")
         bias = bool(getattr(config, "attention_bias", False))
         self.layer_idx, self.head_dim, self.scaling = layer_idx, d, d ** -0.5
         self.q_proj = nn.Linear(h, heads * d, bias=bias)
@@ -193,6 +195,8 @@ class DFlashDraftModel(PreTrainedModel):
 
         With a cache, each layer appends the keys/values of [context ; block]; crop the block's off
         before the next call, as the public DFlash generation loop does."""
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("DFlashDraftModel.forward needs noise_embedding and target_hidden")
         cache = past_key_values if past_key_values is not None else kwargs.get("cache")
         dtype = self.fc.weight.dtype
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
@@ -205,22 +209,27 @@ class DFlashDraftModel(PreTrainedModel):
 
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         """Draft logits through the target's LM head."""
-        return output_head(hidden.to(output_head.weight.dtype))
+        # a linear layer's weight (nn.Module types the attributes it does not declare as Tensor | Module)
+        return output_head(hidden.to(output_head.weight.dtype))  # pyright: ignore[reportCallIssue, reportArgumentType]
 
     def features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """[b, L, N*H] from the target's `hidden_states` (layer k's output is hidden_states[k + 1])."""
         return torch.cat([hidden_states[k + 1] for k in self.target_layer_ids], dim=-1)
 
-    def _propose(self, target: nn.Module, context: torch.Tensor, anchor: int, start: int, cache: Cache) -> list[int]:
+    def _propose(self, target: nn.Module, context: torch.Tensor, anchor: int, start: int, cache: Cache,
+                 mask_token_id: int) -> list[int]:
         """block_size - 1 greedy drafts after `anchor` (at position `start`); the cache keeps the context."""
         device = context.device
-        block = torch.full((1, self.block_size), int(self.mask_token_id), dtype=torch.long, device=device)
+        block = torch.full((1, self.block_size), int(mask_token_id), dtype=torch.long, device=device)
         block[0, 0] = anchor
         positions = torch.arange(start - context.shape[1], start + self.block_size, device=device)[None]
-        hidden = self(position_ids=positions, noise_embedding=target.get_input_embeddings()(block),
-                      target_hidden=context, past_key_values=cache, use_cache=True)
+        # the target's embeddings (an HF model's methods, which nn.Module types as Tensor | Module)
+        embedded = target.get_input_embeddings()(block)  # pyright: ignore[reportCallIssue]
+        hidden = self(position_ids=positions, noise_embedding=embedded, target_hidden=context, past_key_values=cache,
+                      use_cache=True)
         truncate_cache(cache, start)
-        return self.compute_logits(hidden[0, 1:], target.get_output_embeddings()).argmax(-1).tolist()
+        head = target.get_output_embeddings()  # pyright: ignore[reportCallIssue]
+        return self.compute_logits(hidden[0, 1:], head).argmax(-1).tolist()
 
     @torch.inference_mode()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
@@ -236,6 +245,7 @@ class DFlashDraftModel(PreTrainedModel):
         """
         if self.mask_token_id is None:
             raise ValueError("config.dflash_config has no mask_token_id")
+        mask_token_id = self.mask_token_id
         self.eval()
         prompt = input_ids[0].tolist()
         target_cache, draft_cache = DynamicCache(), DynamicCache()
@@ -244,7 +254,7 @@ class DFlashDraftModel(PreTrainedModel):
         context, accepted = self.features(out.hidden_states), []
         while len(tokens) - len(prompt) < max_new_tokens and not stop_index(tokens[len(prompt):], stop_token_ids):
             start = len(tokens) - 1
-            drafts = self._propose(target, context, tokens[-1], start, draft_cache)
+            drafts = self._propose(target, context, tokens[-1], start, draft_cache, mask_token_id)
             verify = torch.tensor([[tokens[-1], *drafts]], device=input_ids.device)
             out = run_target(target, verify, start, target_cache)
             choice = pick_tokens(out.logits[0], temperature).tolist()

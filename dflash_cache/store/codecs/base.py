@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec
+
+if TYPE_CHECKING:
+    from zarr.codecs.blosc import Shuffle  # "noshuffle" | "shuffle" | "bitshuffle"
 
 # Arrays every segment stores next to the features: name -> numpy dtype.
 TOKEN_ARRAYS: dict[str, np.dtype] = {
@@ -28,7 +32,7 @@ TOKEN_ARRAYS: dict[str, np.dtype] = {
 }
 
 
-def zstd_chain(typesize: int, shuffle: str = "shuffle", clevel: int = 1) -> list:
+def zstd_chain(typesize: int, shuffle: Shuffle = "shuffle", clevel: int = 1) -> list:
     """Blosc(zstd) with the given shuffle, then a CRC32C over the compressed chunk."""
     return [BloscCodec(cname="zstd", clevel=clevel, shuffle=shuffle, typesize=typesize), Crc32cCodec()]
 

@@ -357,7 +357,8 @@ def quantize_fp4_layout(x: torch.Tensor, n_layers: int) -> dict[str, torch.Tenso
     torch._dynamo.maybe_mark_dynamic(x, 0)
     try:
         return _compiled_quantize_layout()(x, n_layers)
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    # torch._dynamo imports its submodule exc without naming it, so type checkers miss it
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # pyright: ignore[reportAttributeAccessIssue]
         raise UserError(f"--codec fp4: torch.compile could not build the quantisation kernels here "
                         f"({compile_failure(e)}); set TORCH_COMPILE_DISABLE=1 to quantise "
                         "eagerly (slower), or use --codec fp8") from e

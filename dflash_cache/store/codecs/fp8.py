@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -167,7 +168,10 @@ def dequantize_fp8_torch(
 # ----------------------------------------------------------------------------------------------
 # Triton path
 
-tl = None  # triton.language, bound on first kernel build (the import is lazy)
+if TYPE_CHECKING:  # as the kernels see it once built (typed as None, each tl.* in them would be an error)
+    import triton.language as tl
+else:
+    tl = None  # triton.language, bound on first kernel build (the import is lazy)
 _WHO = "fp8"
 
 
@@ -315,7 +319,8 @@ def quantize_fp8_triton(x: torch.Tensor, n_layers: int) -> tuple[torch.Tensor, t
             scales.stride(0),
             BLOCK_T=block_t,
             BLOCK_H=block_h,
-            num_warps=num_warps,
+            # a launch option, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+            num_warps=num_warps,  # pyright: ignore[reportCallIssue]
         )
     return q, scales
 
@@ -349,7 +354,8 @@ def dequantize_fp8_triton(
             out.stride(1),
             BLOCK_T=block_t,
             BLOCK_H=block_h,
-            num_warps=num_warps,
+            # a launch option, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+            num_warps=num_warps,  # pyright: ignore[reportCallIssue]
         )
     return out
 
