@@ -143,7 +143,7 @@ class Bookkeeper:
             if kept < offered and self.place.rank == 0 and not self.said_anchor_cap:
                 self.said_anchor_cap = True
                 cap = (f"--max-anchors {parts.steps.max_anchors}" if self.cfg.max_anchors is not None
-                       else f"the cap of {parts.steps.max_anchors} anchors per batch that fits this device's memory")
+                       else f"the cap of {parts.steps.max_anchors} anchors per batch {parts.steps.anchor_cap_reason}")
                 level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered else logging.INFO
                 log.log(level, "%s kept %d%% of the anchors the batches offered (--num-anchors %d per sample; "
                         "metrics.jsonl's anchors_kept tells each row's share): each sample trains on fewer blocks; "

@@ -96,4 +96,14 @@ def step_flops(cfg: DrafterConfig, *, context_tokens: int, num_blocks: int, pref
     return StepFlops(linears=linears, attention=float(attention), lm_head=float(lm_head))
 
 
-__all__ = ["PEAK_BF16_FLOPS", "StepFlops", "device_peak_flops", "linear_flops", "step_flops"]
+def anchors_within(cfg: DrafterConfig, *, context_tokens: int, flops: float) -> int:
+    """The most anchors (blocks) a step over `context_tokens` context tokens can hold at a cost of at
+    most `flops`, as `step_flops` counts it without the prefix's attention (at least one anchor)."""
+    def cost(blocks: int) -> float:
+        return step_flops(cfg, context_tokens=context_tokens, num_blocks=blocks, prefix_keys=0).total
+
+    per_anchor = (cost(1001) - cost(1)) / 1000  # each anchor adds its block's rows: linear in the anchors
+    return max(1, 1 + int((flops - cost(1)) // per_anchor))
+
+
+__all__ = ["PEAK_BF16_FLOPS", "StepFlops", "anchors_within", "device_peak_flops", "linear_flops", "step_flops"]

@@ -86,6 +86,7 @@ class StepRunner:
         self.device, self.profiler = place.device, place.profiler
         self.model, self.drafter_cfg = drafter.model, drafter.model.cfg
         self.max_anchors, self.shapes, self.shape_record = max_anchors, shapes, ShapeRecord()
+        self.anchor_cap_reason = "that fits this device's memory"  # why max_anchors, when no --max-anchors set it
         self.compiled = compiles(cfg, self.device)
         self.backend = "flex" if self.device.type == "cuda" else "dense"
         # The LM-head loss's chunk kernel (dflash_cache.train.loss.LOSS_KERNELS): with --no-compile,

@@ -47,7 +47,7 @@ from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter
 from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.export import export_drafter
-from dflash_cache.train.flops import device_peak_flops, step_flops
+from dflash_cache.train.flops import anchors_within, device_peak_flops, step_flops
 from dflash_cache.train.interrupt import DeferredInterrupt, TrainingInterrupted
 from dflash_cache.train.memory import fit_max_anchors
 from dflash_cache.train.metrics_log import MetricsLog
@@ -68,7 +68,9 @@ log = logging.getLogger(__name__)
 PLANNED_EPOCHS = 8
 # Above this many model FLOPs in an average step, a CPU run says at start that its steps take minutes
 # (a 2-core CPU trains the demo's 0.005 TFLOP steps in a fraction of a second, the defaults' ~0.5 in minutes).
-CPU_SLOW_STEP_FLOPS = 0.05e12
+# What a CPU step may cost with the default anchor cap (seconds on a few cores; the defaults' steps over
+# long rows took minutes): --max-anchors lifts it.
+CPU_STEP_FLOPS = 0.05e12
 T = TypeVar("T")
 
 
@@ -100,9 +102,8 @@ class Trainer:
         self.target = parts.target  # the export records it
         device = place.device
         # Before the drafter is allocated: the free memory it is measured against still includes it.
-        max_anchors = fit_max_anchors(parts.drafter_cfg, device, max_anchors=cfg.max_anchors,
-                                      context_tokens=max(cfg.token_budget, self.source.longest_sample()),
-                                      compiled=compiles(cfg, device))
+        max_anchors, cap_reason = anchor_cap(cfg, parts.drafter_cfg, device,
+                                             context_tokens=max(cfg.token_budget, self.source.longest_sample()))
         per_epoch = self.source.batches_per_epoch()
         if per_epoch == 0:
             data = cfg.cache if cfg.live is None else cfg.live.data  # a TrainConfig holds one of them
@@ -118,6 +119,7 @@ class Trainer:
         if device.type == "cpu" and place.rank == 0:
             say_if_slow_on_cpu(cfg, self.source, parts.drafter_cfg, max_anchors)
         self.runner = StepRunner(cfg, self.drafter, self.rng, place, max_anchors=max_anchors, shapes=shapes)
+        self.runner.anchor_cap_reason = cap_reason
         self.checkpointer = Checkpointer(cfg, CheckpointParts(drafter=self.drafter, schedule=self.drafter.schedule,
                                                               source=self.source, progress=self.progress,
                                                               steps=self.runner, rng=self.rng), place)
@@ -321,6 +323,20 @@ class Trainer:
                             "last checkpoint)") from e
 
 
+def anchor_cap(cfg: TrainConfig, drafter_cfg: DrafterConfig, device: torch.device, *,
+               context_tokens: int) -> tuple[int, str]:
+    """The run's anchors-per-batch cap and why it is that (unless --max-anchors set it): the most that
+    fit the device's memory, and on a CPU, which has the memory for the GPU-sized defaults but not the
+    speed (steps of minutes each over long rows), the most that keep a step under CPU_STEP_FLOPS."""
+    cap = fit_max_anchors(drafter_cfg, device, max_anchors=cfg.max_anchors, context_tokens=context_tokens,
+                          compiled=compiles(cfg, device))
+    if device.type == "cpu" and cfg.max_anchors is None:
+        within = anchors_within(drafter_cfg, context_tokens=context_tokens, flops=CPU_STEP_FLOPS)
+        if within < cap:
+            return within, f"that keeps a CPU step under ~{CPU_STEP_FLOPS / 1e12:g} TFLOP"
+    return cap, "that fits this device's memory"
+
+
 def plan_shapes(cfg: TrainConfig, source: Source, max_anchors: int, total_steps: int, world: int) -> ShapeBuckets:
     """The static shapes of a run, from the batches of the epochs it will train (all ranks')."""
     per_epoch = max(1, len(source.table.epoch(source.config, 0, 0, 1)))
@@ -340,7 +356,7 @@ def say_if_slow_on_cpu(cfg: TrainConfig, source: Source, drafter_cfg: DrafterCon
         return
     flops = step_flops(drafter_cfg, context_tokens=int(tokens.mean()), num_blocks=int(anchors.mean()),
                        prefix_keys=0).total
-    if flops > CPU_SLOW_STEP_FLOPS:
+    if flops > CPU_STEP_FLOPS:
         log.warning("a step here averages %d anchors over %d context tokens (~%.2f TFLOP): minutes each on a CPU, "
                     "as the defaults are sized for GPUs; for a quick CPU run pass --token-budget 2048 "
                     "--num-anchors 16 --draft-layers 2 --block-size 8, as `just demo` does",

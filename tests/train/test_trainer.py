@@ -559,16 +559,33 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
-def test_gpu_sized_defaults_on_a_cpu_say_so_once_and_the_demo_does_not(demo_cache, tmp_path, caplog):
-    """With no tuning flags a CPU step takes minutes: one line at start says so and names the flags of
-    a quick CPU run; the demo's settings say nothing."""
+def test_gpu_sized_defaults_on_a_cpu_cap_the_anchors_by_compute_and_the_demo_is_not_capped(demo_cache, tmp_path,
+                                                                                           caplog):
+    """With no tuning flags a CPU step would take minutes (GPU-sized defaults over long rows): the anchor
+    cap keeps it under CPU_STEP_FLOPS instead, and says why when it binds; --max-anchors lifts it; the
+    demo's settings are not capped, and nothing warns."""
+    from dflash_cache.train.flops import step_flops
+    from dflash_cache.train.static_shapes import planned_batches
+    from dflash_cache.train.trainer import CPU_STEP_FLOPS
+
+    cpu = torch.device("cpu")
     with caplog.at_level("WARNING", logger="dflash_cache.train"):
-        Trainer.build(_cfg(demo_cache, tmp_path / "demo", max_steps=1), device=torch.device("cpu"))
-        assert not caplog.messages
-        Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(tmp_path / "defaults")),
-                      device=torch.device("cpu"))
-    assert len(caplog.messages) == 1 and "sized for GPUs" in caplog.messages[0], caplog.messages
-    assert "--token-budget 2048 --num-anchors 16" in caplog.messages[0]
+        demo = Trainer.build(_cfg(demo_cache, tmp_path / "demo", max_steps=1), device=cpu)
+        defaults = Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(tmp_path / "defaults")),
+                                 device=cpu)
+    assert not caplog.messages, caplog.messages
+    _, offered = planned_batches(demo.source.table, demo.source.config, epochs=1, block_size=demo.cfg.block_size,
+                                 num_anchors=demo.cfg.num_anchors, max_anchors=10**9)
+    assert offered.max() < demo.runner.max_anchors, "no batch of the demo's reaches its cap"
+    cap = defaults.runner.max_anchors
+    assert defaults.runner.anchor_cap_reason == "that keeps a CPU step under ~0.05 TFLOP"
+    context = defaults.cfg.token_budget
+    assert step_flops(defaults.runner.drafter_cfg, context_tokens=context, num_blocks=cap, prefix_keys=0).total \
+        <= CPU_STEP_FLOPS < step_flops(defaults.runner.drafter_cfg, context_tokens=context, num_blocks=cap + 1,
+                                       prefix_keys=0).total
+    lifted = Trainer.build(TrainConfig(cache=str(demo_cache), target="tiny", out=str(tmp_path / "lifted"),
+                                       max_anchors=4 * cap), device=cpu)
+    assert lifted.runner.max_anchors == 4 * cap
 
 
 def _strict_rows(out: Path) -> list[dict]:
