@@ -333,7 +333,7 @@ def anchor_cap(cfg: TrainConfig, drafter_cfg: DrafterConfig, device: torch.devic
     if device.type == "cpu" and cfg.max_anchors is None:
         within = anchors_within(drafter_cfg, context_tokens=context_tokens, flops=CPU_STEP_FLOPS)
         if within < cap:
-            return within, f"that keeps a CPU step under ~{CPU_STEP_FLOPS / 1e12:g} TFLOP"
+            return within, f"that keeps a CPU step under ~{CPU_STEP_FLOPS / 1e12:g} TFLOP (--max-anchors lifts it)"
     return cap, "that fits this device's memory"
 
 

@@ -578,7 +578,7 @@ def test_gpu_sized_defaults_on_a_cpu_cap_the_anchors_by_compute_and_the_demo_is_
                                  num_anchors=demo.cfg.num_anchors, max_anchors=10**9)
     assert offered.max() < demo.runner.max_anchors, "no batch of the demo's reaches its cap"
     cap = defaults.runner.max_anchors
-    assert defaults.runner.anchor_cap_reason == "that keeps a CPU step under ~0.05 TFLOP"
+    assert defaults.runner.anchor_cap_reason == "that keeps a CPU step under ~0.05 TFLOP (--max-anchors lifts it)"
     context = defaults.cfg.token_budget
     assert step_flops(defaults.runner.drafter_cfg, context_tokens=context, num_blocks=cap, prefix_keys=0).total \
         <= CPU_STEP_FLOPS < step_flops(defaults.runner.drafter_cfg, context_tokens=context, num_blocks=cap + 1,
