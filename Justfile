@@ -20,7 +20,7 @@ test-gpu-unit *args:
     python3 -m pytest -n 0 tests/train/test_cuda.py tests/extract/test_cuda.py {{args}}
 
 # Part 2: the whole job through the CLI with default options on mixed-length data and a 1.7B-shaped target,
-# in two tests that each fit one 10-minute GPU call (`just test-gpu-cli -k cache`, `just test-gpu-cli -k live`).
+# in two tests that each fit one 10-minute GPU call (`just test-gpu-cli -k offline`, `just test-gpu-cli -k live`).
 test-gpu-cli *args:
     python3 -m pytest -n 0 -s tests/dflash_cache/test_cli_cuda.py {{args}}
 

@@ -46,7 +46,6 @@ class Bookkeeper:
                                   rank=place.rank, world=place.world, sinks=[row_sink] if row_sink is not None else [])
         self.window: list[dict[str, torch.Tensor]] = []
         self.tokens = 0  # in the window
-        self.log_from = step  # a row every --log-every steps from here: after a resume too, whole windows
         self.first_step = True
         self.said_anchor_cap = False
         self.t_start = self.t_batch = 0.0
@@ -63,7 +62,9 @@ class Bookkeeper:
         self.t_batch = time.perf_counter()
 
     def ends_window(self, step: int) -> bool:
-        return (step - self.log_from) % self.cfg.log_every == 0 or step == self.parts.schedule.total_steps
+        """A row at every multiple of --log-every and at the last step: a resumed run's rows fall on the
+        steps an uninterrupted run's do, as its checkpoints do (its first window may be shorter)."""
+        return step % self.cfg.log_every == 0 or step == self.parts.schedule.total_steps
 
     def after_step(self, tokens: int, step_metrics: dict[str, torch.Tensor], stop_requested: bool) -> bool:
         """Account for the step just taken (`tokens` context tokens); True when the run is to stop at

@@ -85,8 +85,8 @@ class TrainConfig:
                                                   "in a row.")
     keep_checkpoints: int = option(2, min=1, help="Newest checkpoints kept; older ones are deleted once a newer "
                                                   "one is complete.")
-    log_every: int = option(10, min=1, help="Log loss, tau_hat and tokens/s every N steps (to the log and "
-                                            "OUT/metrics.jsonl).")
+    log_every: int = option(10, min=1, help="Log loss, tau_hat and tokens/s at every N-th step, a resumed "
+                                            "run too (to the log and OUT/metrics.jsonl).")
     resume: bool = option(False, help="Continue from the latest checkpoint in --out.")
     allow_incomplete: bool = option(False, help="Train on a cache whose extraction has not finished (only the "
                                                 "committed segments).")

@@ -2,7 +2,8 @@
 1.7B-parameter model's shape (random weights) and rows of 100-2,100 tokens (lengths spanning 21x,
 so batches differ in anchors and context): extract -> inspect --verify -> train (compiled, Ctrl-C,
 --resume) -> eval, and train --live the same. Skipped without a CUDA device; `just test-gpu-cli`
-runs both parts, each within one 10-minute GPU call (`-k cache`, `-k live`).
+runs both parts, each within one 10-minute GPU call (`-k offline`, `-k live`; `-k cache`
+would pick both: the module path holds the word).
 
 On 2026-12-04, before static shapes by bucket, `train` and `train --live` died in the compiled
 backward on a later step of exactly this job (`shape '[10161, 128]' is invalid`).
@@ -111,8 +112,8 @@ def job(tmp_path_factory) -> tuple[Path, Path, Path]:
     return qwen3_1_7b_shaped(root / "target"), mixed_rows(root / "data.parquet"), root
 
 
-def test_extract_verify_train_resume_eval_with_default_options(job):
-    """Part 1 (`just test-gpu-cli -k cache`): about 6 minutes on an H200, compiling included."""
+def test_offline_extract_verify_train_resume_eval_with_default_options(job):
+    """Part 1 (`just test-gpu-cli -k offline`): about 6 minutes on an H200, compiling included."""
     target, data, root = job
     cache, run = root / "cache", root / "run"
     t0 = time.perf_counter()
