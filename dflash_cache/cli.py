@@ -34,7 +34,7 @@ from dflash_cache.options import ConfigCommand  # noqa: E402
 
 if TYPE_CHECKING:
     from dflash_cache.extract.config import ExtractConfig
-    from dflash_cache.extract.regenerate import RegenerateConfig
+    from dflash_cache.extract.regenerate_config import RegenerateConfig
     from dflash_cache.train.run_config import TrainConfig
 
 
@@ -78,7 +78,7 @@ def extract(cfg: ExtractConfig, gpus: str) -> None:
         sys.exit(130)
 
 
-@cli.command(cls=ConfigCommand, config="dflash_cache.extract.regenerate:RegenerateConfig")
+@cli.command(cls=ConfigCommand, config="dflash_cache.extract.regenerate_config:RegenerateConfig")
 @click.option("--device", default="auto", show_default=True, help="Target device: 'auto', 'cpu' or 'cuda[:i]'.")
 def regenerate(cfg: RegenerateConfig, device: str) -> None:
     """Replace a chat dataset's assistant turns with the target's own greedy replies (JSONL out)."""
@@ -130,13 +130,8 @@ def eval_(target, drafter, data, max_new_tokens, limit, block_size, dtype, devic
 
     from dflash_cache.data.chat import ChatSpec
     from dflash_cache.devices import resolve_device
-    from dflash_cache.target.model import (
-        TargetDescription,
-        TargetSpec,
-        identify_target,
-        load_target,
-        parse_dtype,
-    )
+    from dflash_cache.target.model import TargetDescription, identify_target, load_target, parse_dtype
+    from dflash_cache.target.spec import TargetSpec
     from dflash_cache.train.drafter import FrozenTargetHead
     from dflash_cache.train.export import check_target, read_export
     from dflash_cache.train.serving import export_dir_of

@@ -18,10 +18,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from dflash_cache.errors import UserError
+
+if TYPE_CHECKING:  # torch loads where device spans are timed, not for the options' help
+    import torch
 
 log = logging.getLogger(__name__)
 ENV_VAR = "DFLASH_PROFILE_INTERVAL"
@@ -101,10 +103,12 @@ class StageProfiler:
     @contextmanager
     def device_span(self, name: str, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
         """Device time of the work the block enqueues on `stream`; host time on CPU."""
-        if not self.enabled or not torch.cuda.is_available() or stream is None:
+        if not self.enabled or stream is None:
             with self.span(name):
                 yield
             return
+        import torch  # loaded already: `stream` is one of its streams
+
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         try:

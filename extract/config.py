@@ -8,10 +8,10 @@ from dflash_cache.data.dataset import OVERLONG_POLICIES
 from dflash_cache.errors import UserError
 from dflash_cache.options import check_options, option
 from dflash_cache.profiler import INTERVAL_HELP
-from dflash_cache.store.codecs import CODECS
 from dflash_cache.store.layout import LOCK_FILE, segment_name
+from dflash_cache.store.manifest import CODEC_NAMES
 from dflash_cache.store.plan import Plan, PlanConfig, deal
-from dflash_cache.target.model import TargetSpec
+from dflash_cache.target.spec import TargetSpec
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class ExtractConfig:
                                                               "rows), overriding the target tokenizer's.")
     out: str = option(path="dir", help="Cache directory to create or resume, or a URL such as "
                                        "s3://bucket/prefix.")
-    codec: str = option("bf16", choices=tuple(CODECS), help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
+    codec: str = option("bf16", choices=CODEC_NAMES, help="none: raw bf16; bf16: lossless zstd; fp8: e4m3 + "
                                                             "per-token scales (~2.4x smaller); fp4: e2m1 + "
                                                             "scales per 32 values and 8 bf16 outlier channels "
                                                             "(~4x smaller).")

@@ -57,6 +57,7 @@ from dflash_cache.data.chat import (
 from dflash_cache.data.dataset import hash_source_files
 from dflash_cache.data.formats import open_source
 from dflash_cache.errors import UserError
+from dflash_cache.extract.regenerate_config import RegenerateConfig
 from dflash_cache.files import (
     fsync_path,
     read_json,
@@ -65,35 +66,13 @@ from dflash_cache.files import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from dflash_cache.options import check_options, option
 from dflash_cache.store.layout import LOCK_FILE
 from dflash_cache.store.lock import CacheLock
 from dflash_cache.target.generation import cut_at_stop, greedy_complete
-from dflash_cache.target.model import DTYPES, TargetDescription, TargetSpec, identify_target, load_target
+from dflash_cache.target.model import TargetDescription, identify_target, load_target
+from dflash_cache.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RegenerateConfig:
-    model: str = option(help="The target: a local Hugging Face model directory, or 'tiny'.")
-    data: str = option(path="any", help="Chat dataset (messages rows): JSONL, Parquet or a HF datasets directory.")
-    out: str = option(path="any", help="JSONL file to write (it appears only when complete).")
-    chat_template: str | None = option(None, path="any", help="Jinja chat template overriding the tokenizer's.")
-    max_new_tokens: int = option(1024, min=1, help="Longest regenerated turn, in tokens (a longer reply is cut "
-                                                   "there and counted).")
-    batch_size: int = option(16, min=1, help="Conversations generated together.")
-    part_rows: int = option(1024, min=1, help="Input rows per saved part: a stopped run resumes from the last "
-                                              "finished part.")
-    limit: int | None = option(None, min=1, help="Use only the first N rows.")
-    dtype: str = option("bfloat16", choices=tuple(DTYPES), help="Target compute dtype.")
-    trust_remote_code: bool = option(False, help="Allow the model directory's own Python code.")
-    overwrite: bool = option(False, help="Replace an existing --out that is not this job's finished output, and "
-                                         "delete the saved parts of another job at OUT.parts.")
-    progress: bool = option(True, help="Log no progress lines (rows done, tokens/s, ETA).")
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
 
 @dataclass

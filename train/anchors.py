@@ -32,7 +32,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from dflash_cache.store.batch import IGNORE_INDEX, PackedBatch, positions_from_cu_seqlens
+from dflash_cache.data.formats import IGNORE_INDEX
+from dflash_cache.store.batch import PackedBatch, positions_from_cu_seqlens
 
 DEFAULT_NUM_ANCHORS = 512
 

@@ -21,7 +21,8 @@ from dflash_cache.store.manifest import TargetIdentity
 from dflash_cache.store.plan import DEFAULT_BUCKETS, PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.target.capture import HiddenStateCapture
-from dflash_cache.target.model import TargetDescription, TargetSpec, describe_target, load_target
+from dflash_cache.target.model import TargetDescription, describe_target, load_target
+from dflash_cache.target.spec import TargetSpec
 from dflash_cache.train.cache_source import CacheSource, check_manifest
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import FrozenTargetHead

@@ -21,8 +21,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_cache.errors import UserError, one_line
+from dflash_cache.train.run_config import ATTENTION_KERNELS
 
-ATTENTION_KERNELS = ("auto", "triton", "flash")
 # Compute capabilities flash-attention 4's FlexAttention kernels are built for: Hopper, Blackwell.
 FLASH_MAJORS = (9, 10)
 # Head sizes they are known to run at with the masks' 128-token blocks (bench/train.py on an H200).

@@ -13,15 +13,17 @@ from dflash_cache.data.dataset import OVERLONG_POLICIES
 from dflash_cache.errors import UserError
 from dflash_cache.options import check_options, option
 from dflash_cache.profiler import INTERVAL_HELP
-from dflash_cache.store.codecs import CODECS
+from dflash_cache.store.manifest import CODEC_NAMES
 from dflash_cache.store.plan import DEFAULT_MAX_ROWS, DEFAULT_TOKEN_BUDGET
-from dflash_cache.target.model import DTYPES
-from dflash_cache.train.attention_kernels import ATTENTION_KERNELS
+from dflash_cache.target.spec import DTYPE_NAMES
 from dflash_cache.train.trackers import parse_report_to
 
 # torch takes 64-bit seeds, and the trainer derives its anchors' from --seed * 1000003 * 1009 (plus
 # step and rank); 32 bits keep that inside them (and are numpy's legacy range, which users know).
 MAX_SEED = 2**32 - 1
+# What --attention-kernels names (dflash_cache.train.attention_kernels resolves "auto"); declared
+# here, with the options, so that `train --help` loads no torch.
+ATTENTION_KERNELS = ("auto", "triton", "flash")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +40,7 @@ class LiveConfig:
                                            "(one worker each).")
     num_target_layers: int = option(5, min=1, help="target layers to capture.")
     layers: tuple[int, ...] | None = option(None, help="explicit target layer ids, e.g. 1,9,17,25,33.")
-    dtype: str = option("bfloat16", choices=tuple(DTYPES), cli=False)
+    dtype: str = option("bfloat16", choices=tuple(DTYPE_NAMES), cli=False)
     queue_depth: int = option(60, min=1, help="batches buffered between target and drafter.")
     forward_token_budget: int = option(DEFAULT_TOKEN_BUDGET, min=1, flag="--target-token-budget",
                                        help="padded tokens per target forward (planned as extract plans its "
@@ -47,7 +49,7 @@ class LiveConfig:
                                    help="rows per target forward at most.")
     write_cache: str | None = option(None, path="dir", help="also commit epoch 0's features to this cache (train "
                                                             "offline from it later).")
-    write_codec: str = option("bf16", choices=tuple(CODECS), help="the codec of --write-cache.")
+    write_codec: str = option("bf16", choices=CODEC_NAMES, help="the codec of --write-cache.")
 
     def __post_init__(self) -> None:
         check_options(self)

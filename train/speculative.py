@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_cache.data.formats import IGNORE_INDEX
 from dflash_cache.errors import UserError
-from dflash_cache.store.batch import IGNORE_INDEX
 from dflash_cache.train.anchors import Blocks
 from dflash_cache.train.config import DrafterConfig
 from dflash_cache.train.drafter import DFlashDrafter, FrozenTargetHead

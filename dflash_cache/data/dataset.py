@@ -23,10 +23,9 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from dflash_cache.data.chat import ChatSource, ChatSpec, as_chat
-from dflash_cache.data.formats import ArrowSource, Source, open_source
+from dflash_cache.data.formats import IGNORE_INDEX, ArrowSource, Source, open_source
 from dflash_cache.errors import UserError
 from dflash_cache.files import hash_ends
-from dflash_cache.store.batch import IGNORE_INDEX
 
 __all__ = ["DatasetScan", "Row", "TokenizedDataset", "from_table", "open_dataset"]
 

@@ -20,6 +20,10 @@ import pyarrow.parquet as pq
 
 from dflash_cache.errors import UserError, one_line
 
+# A label that nothing is learned from: what a dataset's `labels` column holds for unsupervised tokens,
+# and what the drafter's blocks put where there is nothing to predict (torch's cross-entropy default).
+IGNORE_INDEX = -100
+
 # (global index of the batch's first row, batch, file label for messages)
 Batch = tuple[int, pa.RecordBatch, str]
 

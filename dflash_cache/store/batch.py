@@ -21,10 +21,6 @@ import torch
 
 from dflash_cache.store.codecs import TOKEN_ARRAYS
 
-# A label that nothing is learned from: what a dataset's `labels` column holds for unsupervised tokens,
-# and what the drafter's blocks put where there is nothing to predict (torch's cross-entropy default).
-IGNORE_INDEX = -100
-
 # Allocates an array for `concatenate` and `HostBatch.pack` to fill: (name, shape, dtype) -> array.
 # The cache source passes one that allocates in pinned memory, so a batch is written once.
 Allocate = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]

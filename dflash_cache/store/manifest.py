@@ -18,6 +18,10 @@ from dflash_cache.files import inside, read_json, write_json_atomic
 from dflash_cache.store.layout import MANIFEST_FILE
 from dflash_cache.typed_json import INT64_MAX, load_dataclass
 
+# The feature codecs a manifest may name: dflash_cache.store.codecs holds each one's code under these
+# names (a test keeps the two the same); listed here, without torch, for the options that choose one.
+CODEC_NAMES = ("none", "bf16", "fp8", "fp4")
+
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 1
 LAYER_ID_CONVENTION = "k = output of decoder layer k = Hugging Face hidden_states[k + 1]"

@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -20,9 +21,10 @@ from dflash_cache.errors import CacheCorruptError, UserError
 from dflash_cache.files import ParquetLimits, write_parquet_atomic
 from dflash_cache.options import check_options, option
 from dflash_cache.store.layout import PLAN_FILE, segment_name
-from dflash_cache.store.location import Location
 from dflash_cache.store.manifest import Manifest, PlanParams
-from dflash_cache.store.reader import read_parquet
+
+if TYPE_CHECKING:  # the reader loads torch: plans are made (and options declared) without it
+    from dflash_cache.store.location import Location
 
 DEFAULT_BUCKETS = (0, 770, 1216, 1728, 2432, 3296)
 DEFAULT_TOKEN_BUDGET = 49152
@@ -182,6 +184,8 @@ def write_plan_table(root: Path, plan: Plan) -> None:
 
 def read_plan(root: str | Path | Location, manifest: Manifest) -> Plan:
     """The plan a cache (a directory, a URL or a location) was made with, from plan.parquet and the manifest."""
+    from dflash_cache.store.reader import read_parquet
+
     t = read_parquet(root, PLAN_FILE, plan_limits(manifest))
     p = manifest.plan
     config = PlanConfig(token_budget=p.token_budget, max_rows=p.max_rows, unit_rows=p.unit_rows,

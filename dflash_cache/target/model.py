@@ -27,8 +27,8 @@ from torch import nn
 from dflash_cache.errors import UserError
 from dflash_cache.files import hash_ends
 from dflash_cache.logs import run_level
-from dflash_cache.options import check_options, option
 from dflash_cache.store.manifest import TargetIdentity
+from dflash_cache.target.spec import DTYPE_NAMES, TargetSpec
 from dflash_cache.target.tiny import TINY, TINY_DIR, build_tiny_target, tiny_config, tiny_weights_path
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 # Config keys that say nothing about the computation the target performs.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                          "_attn_implementation", "_attn_implementation_autoset", "architectures",
@@ -108,21 +107,6 @@ def weights_fingerprint(name: str) -> str:
 def config_hash(config) -> str:
     d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """What the user asked for: which model, in which dtype, capturing which layers (also `extract`'s options)."""
-
-    model: str = option(help="Local Hugging Face model directory, or 'tiny' (built-in, no download).")
-    dtype: str = option("bfloat16", choices=tuple(DTYPES), help="Target compute dtype.")
-    num_layers: int = option(5, min=1, help="Layers spread evenly over 1..L-3.")
-    layers: tuple[int, ...] | None = option(None, help="Explicit decoder layer ids, e.g. 1,9,17,25,33 (overrides "
-                                                       "--num-layers).")
-    trust_remote_code: bool = option(False, help="Allow the model directory's own Python code.")
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
 
 @dataclass

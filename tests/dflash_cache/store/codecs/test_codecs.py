@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dflash_cache.errors import CacheCorruptError, UserError
-from dflash_cache.store.codecs import Fp4Codec, get_codec
+from dflash_cache.store.codecs import CODECS, Fp4Codec, get_codec
 from dflash_cache.store.codecs.fp8 import fp8_error_bound
 from dflash_cache.store.layout import SEGMENTS_DIR
+from dflash_cache.store.manifest import CODEC_NAMES
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from tests.dflash_cache.store._util import bf16_features, flip_byte, synthetic_cache
@@ -17,6 +18,12 @@ from tests.dflash_cache.store._util import bf16_features, flip_byte, synthetic_c
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def test_the_options_codec_names_are_the_registrys():
+    """--codec's choices come from the manifest's torch-free list; each names a codec of that name."""
+    assert tuple(CODECS) == CODEC_NAMES
+    assert all(CODECS[name].name == name for name in CODEC_NAMES)
 
 
 @pytest.mark.parametrize("codec", ["none", "bf16"])
