@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +30,9 @@ from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import verify
 from dflash_cache.store.segments import read_records
 from tests.conftest import REPO, extract_config, random_rows, torchrun_cli, wait_for_commits
+
+if TYPE_CHECKING:
+    from click.testing import Result
 
 SMALL = ["--model", "tiny", "--gpus", "cpu", "--token-budget", "1024", "--max-rows", "8", "--unit-rows", "16",
          "--buckets", "0,32,64", "--no-progress", "--writers", "2"]
@@ -50,9 +55,25 @@ def assert_nothing_written(out: Path) -> None:
     assert left in ([], [LOCK_FILE]), f"the refused run wrote {left}"
 
 
-def test_extract_then_resume_is_a_no_op(small_parquet, tmp_path):
-    out = tmp_path / "c"
-    r = run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL)
+@pytest.fixture(scope="module")
+def extracted(small_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """small_parquet extracted once by the CLI with SMALL, and what it said: shared by the tests that
+    only read that cache or resume it as a no-op (which that test asserts), one extraction for all."""
+    out = tmp_path_factory.mktemp("extracted") / "c"
+    return out, run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL)
+
+
+@pytest.fixture
+def few_rows(tmp_path: Path) -> Path:
+    """8 rows (3 segments under SMALL): for tests whose assertions hold for any data, so that the
+    extractions they run to the end are short."""
+    path = tmp_path / "few.parquet"
+    pq.write_table(random_rows(8), path)
+    return path
+
+
+def test_extract_then_resume_is_a_no_op(small_parquet, extracted):
+    out, r = extracted
     assert r.exit_code == 0, r.output
     assert "Batches per epoch:" in r.output and "complete:" in r.output
     first = {p.name: p.stat().st_mtime_ns for p in (out / "commits").iterdir()}
@@ -62,13 +83,21 @@ def test_extract_then_resume_is_a_no_op(small_parquet, tmp_path):
     assert sample_ids(out) == list(range(48))
 
 
-def test_resume_with_another_rank_count(small_parquet, tmp_path):
-    """Rank 0 of a 2-way run finishes, rank 1 never runs; a 1-way resume does exactly the rest."""
-    cfg = extract_config(small_parquet, tmp_path / "c")
-    job = plan_job(cfg)
+@pytest.fixture(scope="module")
+def half_extracted(small_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The cache a 2-way run on small_parquet leaves when rank 0 finishes and rank 1 never runs (as a
+    killed run would): made once, each test resumes a copy of its own."""
+    job = plan_job(extract_config(small_parquet, tmp_path_factory.mktemp("half") / "c"))
     with CacheLock(job.root):
         committed = open_or_create(job)
         run_rank(job, committed, rank=0, world=2, device=torch.device("cpu"))
+    return job.root
+
+
+def test_resume_with_another_rank_count(small_parquet, tmp_path, half_extracted):
+    """Rank 0 of a 2-way run finishes, rank 1 never runs; a 1-way resume does exactly the rest."""
+    cfg = extract_config(small_parquet, shutil.copytree(half_extracted, tmp_path / "c"))
+    job = plan_job(cfg)
     half = sample_ids(job.root)
     assert 0 < len(half) < 48
     assert {r.name for r in read_records(job.root)} == {segment_name(b.unit, b.batch)
@@ -78,22 +107,39 @@ def test_resume_with_another_rank_count(small_parquet, tmp_path):
     assert not verify(CacheReader(job.root))
 
 
+# `dflash-cache ARGS` whose array writes crawl (0.5 s each) once 5 segments are committed: a test
+# waiting for those 5 always finds the run going, however starved of CPU, and kills it mid-segment.
+SLOW_AFTER_5 = """
+import sys, time
+from pathlib import Path
+import dflash_cache.store.writer as writer
+real, commits = writer.write_array, Path(sys.argv[sys.argv.index("--out") + 1]) / "commits"
+def slow(*args, **kwargs):
+    time.sleep(0.5 if len(list(commits.glob("*.json"))) >= 5 else 0)
+    return real(*args, **kwargs)
+writer.write_array = slow
+from dflash_cache.cli import cli
+cli(sys.argv[1:])
+"""
+
+
 def test_sigkill_then_resume_gives_exact_sample_set(tmp_path):
+    """32 rows, 12 segments: the run is killed after 5, the resume (in this process) does the rest."""
     data = tmp_path / "big.parquet"
-    pq.write_table(random_rows(160, seed=1, lo=8, hi=64), data, row_group_size=100)
+    pq.write_table(random_rows(32, seed=1, lo=8, hi=64), data, row_group_size=20)
     out = tmp_path / "c"
-    args = [sys.executable, "-m", "dflash_cache.cli", "extract", "--data", str(data), "--out", str(out),
-            *SMALL, "--token-budget", "128", "--writers", "1"]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["extract", "--data", str(data), "--out", str(out), *SMALL, "--token-budget", "128", "--writers", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_AFTER_5, *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     wait_for_commits(proc, out, 5)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     partial = sample_ids(out)
-    assert 0 < len(partial) < 160 and len(partial) == len(set(partial))
+    assert 0 < len(partial) < 32 and len(partial) == len(set(partial))
     assert not verify(CacheReader(out)), "a killed run must leave only whole, committed segments visible"
-    done = CliRunner().invoke(cli, args[3:])  # the resume in this process: one interpreter start less
+    done = CliRunner().invoke(cli, args)  # the resume in this process: one interpreter start less
     assert done.exit_code == 0, done.output
-    assert sample_ids(out) == list(range(160))
+    assert sample_ids(out) == list(range(32))
     reader = CacheReader(out)
     assert reader.complete and not verify(reader)
 
@@ -133,17 +179,17 @@ def test_unreadable_path_exits_2(tmp_path):
     assert r.exit_code == 2 and "does not exist" in r.output
 
 
-def test_existing_cache_made_differently_is_refused(small_parquet, tmp_path):
+def test_existing_cache_made_differently_is_refused(few_rows, tmp_path):
     out = tmp_path / "c"
-    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
+    assert run_cli("extract", "--data", str(few_rows), "--out", str(out), *SMALL).exit_code == 0
     for extra, field in ((["--codec", "fp8"], "codec"), (["--layers", "1,2"], "layer_ids"),
                          (["--dtype", "float32"], "target.dtype")):
-        r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, *extra])
+        r = CliRunner().invoke(cli, ["extract", "--data", str(few_rows), "--out", str(out), *SMALL, *extra])
         assert r.exit_code == 2 and field in r.output and "--overwrite" in r.output, r.output
-    r = run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--codec", "fp8", "--overwrite")
+    r = run_cli("extract", "--data", str(few_rows), "--out", str(out), *SMALL, "--codec", "fp8", "--overwrite")
     assert r.exit_code == 0
     assert json.loads((out / "manifest.json").read_text())["codec"] == "fp8"
-    assert sample_ids(out) == list(range(48))
+    assert sample_ids(out) == list(range(8))
 
 
 def test_second_extract_into_same_cache_is_refused(small_parquet, tmp_path):
@@ -165,7 +211,9 @@ def test_non_cache_directory_is_not_clobbered(small_parquet, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"], "the refused run's .lock stayed behind"
 
 
-def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, monkeypatch):
+def test_full_disk_exits_2_and_commits_nothing_partial(tmp_path, monkeypatch):
+    """16 rows, 3 segments of 5 arrays, written in order by the one writer: 2 are committed, the
+    disk fills at the third array of the last."""
     import dflash_cache.store.writer as segments
 
     real = segments.write_array
@@ -177,16 +225,18 @@ def test_full_disk_exits_2_and_commits_nothing_partial(small_parquet, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(store, name, data, compressors)
 
+    data = tmp_path / "d.parquet"
+    pq.write_table(random_rows(16, seed=3), data)
     monkeypatch.setattr(segments, "write_array", failing)
     out = tmp_path / "c"
-    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL, "--writers", "1"])
+    r = CliRunner().invoke(cli, ["extract", "--data", str(data), "--out", str(out), *SMALL, "--writers", "1"])
     assert r.exit_code == 2 and "disk full" in r.output, r.output
     committed = read_records(out)
     assert 0 < len(committed) < 12
     assert not verify(CacheReader(out))
     monkeypatch.setattr(segments, "write_array", real)
-    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
-    assert sample_ids(out) == list(range(48))
+    assert run_cli("extract", "--data", str(data), "--out", str(out), *SMALL).exit_code == 0
+    assert sample_ids(out) == list(range(16))
 
 
 def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
@@ -201,10 +251,9 @@ def test_torchrun_two_cpu_ranks(small_parquet, tmp_path):
     assert all(dealt[r.name] == r.rank for r in records)
 
 
-def test_packing_drops_and_adds_no_token(small_parquet, tmp_path):
+def test_packing_drops_and_adds_no_token(small_parquet, extracted):
     """Every committed sample holds exactly its dataset row: same ids, same mask, same length."""
-    extract(extract_config(small_parquet, tmp_path / "c"), "cpu", echo=lambda *_: None)
-    reader = CacheReader(tmp_path / "c")
+    reader = CacheReader(extracted[0])
     table = pq.read_table(small_parquet)
     ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
     assert reader.num_tokens == sum(len(x) for x in ids)
@@ -262,7 +311,7 @@ def test_killed_at_creation_then_rerun_equals_an_uninterrupted_run(tmp_path, mon
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_disk_full_at_creation_leaves_nothing(small_parquet, tmp_path, monkeypatch, existing):
+def test_disk_full_at_creation_leaves_nothing(few_rows, tmp_path, monkeypatch, existing):
     """ENOSPC while writing the manifest: one line, exit 2, no traceback, no stray manifest.json.PID.tmp."""
     import dflash_cache.store.writer as prepare
 
@@ -274,13 +323,13 @@ def test_disk_full_at_creation_leaves_nothing(small_parquet, tmp_path, monkeypat
     out = tmp_path / "c"
     if existing:
         out.mkdir()
-    r = CliRunner().invoke(cli, ["extract", "--data", str(small_parquet), "--out", str(out), *SMALL])
+    r = CliRunner().invoke(cli, ["extract", "--data", str(few_rows), "--out", str(out), *SMALL])
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert r.output.strip().splitlines()[-1] == (f"Error: disk full while creating the cache at {out}; free space and "
                                                  "run the same command again (nothing was left behind)")
     assert (list(out.iterdir()) == []) if existing else not out.exists()
     monkeypatch.undo()
-    assert run_cli("extract", "--data", str(small_parquet), "--out", str(out), *SMALL).exit_code == 0
+    assert run_cli("extract", "--data", str(few_rows), "--out", str(out), *SMALL).exit_code == 0
 
 
 def test_read_only_out_exits_2_with_one_line(small_parquet, tmp_path, monkeypatch):
@@ -339,16 +388,12 @@ def test_rank_log_counts_every_segment(small_parquet, tmp_path, caplog):
 
 
 @pytest.mark.filterwarnings("ignore:Object at .* is not recognized as a component of a Zarr hierarchy")
-def test_segments_is_a_zarr_group_and_old_caches_still_resume(small_parquet, tmp_path):
+def test_segments_is_a_zarr_group_and_old_caches_still_resume(small_parquet, tmp_path, half_extracted):
     import zarr
     from zarr.storage import LocalStore
 
-    out = tmp_path / "c"
+    out = shutil.copytree(half_extracted, tmp_path / "c")  # half of it, as a killed run would leave it
     cfg = extract_config(small_parquet, out)
-    job = plan_job(cfg)
-    with CacheLock(job.root):
-        open_or_create(job)
-        run_rank(job, set(), rank=0, world=2, device=torch.device("cpu"))  # half of it, as a killed run would
     names = {r.name for r in read_records(out)}
     found = {k for k, _ in zarr.open_group(LocalStore(out, read_only=True), mode="r").members(max_depth=None)}
     assert "segments" in found and {f"segments/{n}" for n in names} <= found
