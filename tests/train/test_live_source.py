@@ -37,21 +37,25 @@ CPU = torch.device("cpu")
 # One row per target forward, in extraction and live alike: identical forward shapes, hence
 # identical features bit for bit. (Padded batches of other compositions differ in the last bit.)
 EXACT = PlanConfig(token_budget=4096, max_rows=1, unit_rows=64)
+# The first 64 demo rows, for the cache and the live source alike: 6 batches an epoch under SOURCE
+# (more than the 4 the comparison needs) at half the forwards of all 128, which every test here
+# would otherwise run again; a smaller share of the data changes nothing a test checks.
+LIMIT = 64
 
 
 @pytest.fixture(scope="module")
 def demo_bf16_cache(tmp_path_factory) -> Path:
-    """The demo data extracted with the default buckets (the ones the live source plans with)."""
+    """The first LIMIT demo rows extracted with the default buckets (the ones the live source plans with)."""
     root = tmp_path_factory.mktemp("live") / "cache"
     cfg = ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(root), codec="bf16",
-                        plan=EXACT, writers=2, progress=False)
+                        plan=EXACT, writers=2, progress=False, limit=LIMIT)
     extract(cfg, "cpu", echo=lambda *_: None)
     return root
 
 
 def live_source(capture_cls=HiddenStateCapture, **kw) -> LiveSource:
     target = describe_target(TargetSpec(model="tiny"))
-    dataset = open_data("demo")
+    dataset = open_data("demo", limit=LIMIT)
     scan = dataset.scan(vocab_size=target.identity.vocab_size, max_len=None)
     capture = capture_cls(load_target(target, CPU), target.layer_ids)
     bounds = PlanConfig().bucket_bounds
@@ -81,7 +85,7 @@ def test_the_tee_commits_what_extraction_committed(demo_bf16_cache, tmp_path):
     extracted = CacheReader(demo_bf16_cache)
     source = CacheSource(extracted, SOURCE, Place(CPU))
     tee = CacheTee(str(tmp_path / "tee"), "bf16", target=describe_target(TargetSpec(model="tiny")),
-                   data=LiveData(open_data("demo"), source.table, PlanConfig().bucket_bounds), source_config=SOURCE,
+                   data=LiveData(open_data("demo", limit=LIMIT), source.table, PlanConfig().bucket_bounds), source_config=SOURCE,
                    place=Place(CPU))
     with contextlib.closing(source.iterate(Position(0, 0), epochs=1)) as batches:
         for g, (_, batch) in enumerate(batches):
@@ -163,10 +167,10 @@ def test_stopping_early_stops_and_joins_the_target_workers():
 
 def test_live_run_trains_and_tees_a_valid_cache(tmp_path):
     cfg = TrainConfig(target="tiny", out=str(tmp_path / "run"), block_size=8, draft_layers=2, num_anchors=16,
-                      token_budget=2048, lr=3e-3, max_steps=12, log_every=6, progress=False,
-                      live=LiveConfig(data="demo", queue_depth=4, write_cache=str(tmp_path / "tee")))
-    last = Trainer.build(cfg, device=CPU).fit()  # 12 steps: one epoch, all the tee writes
-    assert last["step"] == 12 and last["loss"] < 12.0
+                      token_budget=2048, lr=3e-3, max_steps=6, log_every=3, progress=False,
+                      live=LiveConfig(data="demo", limit=LIMIT, queue_depth=4, write_cache=str(tmp_path / "tee")))
+    last = Trainer.build(cfg, device=CPU).fit()  # 6 steps: one epoch of LIMIT rows, all the tee writes
+    assert last["step"] == 6 and last["loss"] < 12.0
     reader = CacheReader(tmp_path / "tee")
     assert reader.complete and not verify(reader)
     # and training continues offline from what the live run wrote
@@ -184,7 +188,7 @@ def test_torchrun_two_cpu_ranks_train_live_and_tee_one_cache(tmp_path):
     torchrun_cli("train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out), "--target-gpus", "cpu",
                  "--device", "cpu", "--epochs", "1", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8",
                  "--token-budget", "1024", "--queue-depth", "4", "--log-every", "2", "--write-cache", str(tee),
-                 "--no-progress")
+                 "--no-progress", "--limit", "32")  # the first 32 rows: an epoch of 6 batches, 3 for each rank
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["epoch"] in (0, 1)
     reader = CacheReader(tee)

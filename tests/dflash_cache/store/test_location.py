@@ -13,21 +13,33 @@ from click.testing import CliRunner
 
 from dflash_cache.cli import cli
 from dflash_cache.errors import CacheCorruptError, UserError
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.run import extract
+from dflash_cache.store.plan import PlanConfig
 from dflash_cache.store.reader import CacheReader
 from dflash_cache.store.report import summarize, verify
+from dflash_cache.target.model import TargetSpec
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 BUCKET = "caches"
+# All 128 demo rows in 5 segments, not the 14 of the session's real_cache: every object is a request
+# to the server, in the upload, each copy a test damages, each listing, verify and training's reads,
+# and the tests need 4 segments (records[0] to records[3]).
+PLAN = PlanConfig(token_budget=8192, max_rows=32, unit_rows=128)
 
 
 @pytest.fixture(scope="module")
-def s3(s3_server, real_cache):
-    """The fp8 demo cache copied under s3://caches/demo: (filesystem, local copy)."""
+def s3(s3_server, tmp_path_factory):
+    """The demo extracted with the fp8 codec under PLAN, copied under s3://caches/demo: (filesystem,
+    local copy)."""
     fs = s3_server
     fs.mkdir(BUCKET)
-    local = real_cache("fp8")
+    local = tmp_path_factory.mktemp("location") / "cache"
+    extract(ExtractConfig(target=TargetSpec(model="tiny"), data="demo", out=str(local), codec="fp8", plan=PLAN,
+                          progress=False), "cpu", echo=lambda *a, **k: None)
+    assert len(CacheReader(local).records) >= 4
     fs.put(str(local) + "/", f"{BUCKET}/demo/", recursive=True)
     return fs, local
 
@@ -113,9 +125,10 @@ def test_inspect_and_train_from_s3(s3, tmp_path):
     r = CliRunner().invoke(cli, ["inspect", url, "--verify", "--repair"])
     assert r.exit_code == 2 and "read-only here" in r.output, r.output
     losses = []
+    # batches of 512 tokens (a few samples): each sample read from the bucket is a request per array
     for source, out in ((url, tmp_path / "remote"), (str(local), tmp_path / "local")):
         Trainer.build(demo_train_config(Path(source) if source == str(local) else source, out, max_steps=3,
-                                        log_every=1), device=torch.device("cpu")).fit()
+                                        log_every=1, token_budget=512), device=torch.device("cpu")).fit()
         losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
     assert losses[0] == losses[1] and len(losses[0]) == 3
 

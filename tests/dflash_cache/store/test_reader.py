@@ -281,7 +281,7 @@ def test_a_segment_rewritten_under_the_reader_is_refused(tmp_path):
         r.read_array(name, "input_ids")
 
 
-def test_a_record_whose_lengths_disagree_with_the_stored_offsets_is_refused_when_read(cache_copy):
+def test_a_record_whose_lengths_disagree_with_the_stored_offsets_is_refused_when_read(tmp_path):
     """A record that moves tokens from one sample to the next keeps every size the first look checks;
     the stored offsets still say what was written, and reading the batch compares them."""
     import json
@@ -289,7 +289,8 @@ def test_a_record_whose_lengths_disagree_with_the_stored_offsets_is_refused_when
     from dflash_cache.errors import CacheCorruptError
     from dflash_cache.store.layout import COMMITS_DIR
 
-    root = cache_copy("bf16")
+    root = tmp_path
+    synthetic_cache(root, "bf16", segments=2)  # committed by the store's writer, as extraction commits
     rec = next(r for r in read_records(root) if len(r.lengths) > 1 and r.lengths[0] > 5)
     record_path = root / COMMITS_DIR / f"{rec.name}.json"
     record = json.loads(record_path.read_text())
