@@ -102,9 +102,17 @@ def test_only_the_newest_checkpoints_are_kept(demo_cache, tmp_path):
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")], "no temporary left"
 
 
+@pytest.fixture(scope="module")
+def four_step_run(demo_cache, tmp_path_factory) -> Path:
+    """4 steps saved at steps 2 and 4. Read-only: a test that damages or resumes it copies it first."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    _run(demo_cache, out, max_steps=4, save_every=2)
+    return out
+
+
 @pytest.mark.parametrize("damage", ["truncated weights", "malformed state"])
-def test_an_unreadable_checkpoint_falls_back_to_the_one_before(demo_cache, tmp_path, caplog, damage):
-    _run(demo_cache, tmp_path, max_steps=4, save_every=2)
+def test_an_unreadable_checkpoint_falls_back_to_the_one_before(demo_cache, four_step_run, tmp_path, caplog, damage):
+    shutil.copytree(four_step_run, tmp_path, dirs_exist_ok=True)
     newest = tmp_path / "checkpoints" / "step_0000004"
     if damage == "truncated weights":
         data = (newest / "drafter.safetensors").read_bytes()

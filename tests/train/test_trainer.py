@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,17 +99,28 @@ def test_the_anchor_cap_is_said_once_and_only_when_it_binds(demo_cache, tmp_path
     assert lines[0].getMessage().startswith("--max-anchors 170 kept 98% of"), lines[0].getMessage()
 
 
-def _straight(demo_cache: Path, out: Path, **kw) -> list[tuple]:
-    import torch
+# The interrupted and crashed runs' length: two or three steps trained after each resume (a wrong RNG,
+# weight or optimizer moment shows in the first), and two past the crash test's checkpoint at step 4.
+STRAIGHT_STEPS = 8
 
-    Trainer.build(_cfg(demo_cache, out, max_steps=12, **kw), device=torch.device("cpu")).fit()
+
+def _metrics(out: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(out)]
 
 
 @pytest.fixture(scope="module")
-def straight_run(demo_cache, tmp_path_factory) -> list[tuple]:
-    """Metrics of 12 uninterrupted steps, the reference every resumed run must reproduce."""
-    return _straight(demo_cache, tmp_path_factory.mktemp("straight") / "run")
+def straight_dir(demo_cache, tmp_path_factory) -> Path:
+    """An uninterrupted run of STRAIGHT_STEPS steps, a row each and its one checkpoint at the end.
+    Read-only: a test that resumes it copies it first."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    Trainer.build(_cfg(demo_cache, out, max_steps=STRAIGHT_STEPS), device=torch.device("cpu")).fit()
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight_run(straight_dir) -> list[tuple]:
+    """Metrics of the uninterrupted run, the reference every resumed run must reproduce."""
+    return _metrics(straight_dir)
 
 
 # Where the sixth call of each lands a Ctrl-C, and the step then finished and saved: the sixth
@@ -144,14 +156,14 @@ def test_ctrl_c_inside_a_step_then_resume_is_bit_exact(demo_cache, tmp_path, mon
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, attr, interrupted)
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or ignored under a background shell
     with pytest.raises(TrainingInterrupted) as info:
-        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12), device=torch.device("cpu")).fit()
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=STRAIGHT_STEPS), device=torch.device("cpu")).fit()
     assert info.value.step == saved_step, "the step in flight is finished, then saved"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+    assert signal.getsignal(signal.SIGINT) is before, "the handler is restored"
     monkeypatch.setattr(module, attr, real)
-    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, resume=True), device=torch.device("cpu")).fit()
-    resumed = [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)]
-    assert resumed == straight_run, "same losses and accuracies, each step logged once"
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=STRAIGHT_STEPS, resume=True), device=torch.device("cpu")).fit()
+    assert _metrics(tmp_path) == straight_run, "same losses and accuracies, each step logged once"
 
 
 # A run a few CPU seconds long, through the CLI on one process.
@@ -175,7 +187,7 @@ def test_a_stop_while_the_export_is_written_lets_it_finish_and_says_so(demo_cach
         real(*args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "export_drafter", stopped_during)
-    out = tmp_path / "run"
+    out, before = tmp_path / "run", signal.getsignal(signal.SIGINT)
     with caplog.at_level("INFO", logger="dflash_cache.train"):
         r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *SHORT_RUN])
     assert r.exit_code == 0 and "Stopped without saving" not in r.output, r.output
@@ -185,30 +197,29 @@ def test_a_stop_while_the_export_is_written_lets_it_finish_and_says_so(demo_cach
             "so it is complete") in caplog.messages, caplog.messages
     assert (checkpoint / "state.json").is_file()
     assert read_export(export).cfg.block_size == 8, "the export is complete: it reads strictly"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+    assert signal.getsignal(signal.SIGINT) is before, "the handler is restored"
 
 
 def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypatch, straight_run):
-    """A crash after the last checkpoint leaves metric rows of steps that the resume redoes."""
-    import torch
-
+    """A crash after the last checkpoint (step 4) leaves metric rows of steps (5 and 6) that the resume redoes."""
     real_step = StepRunner.train_step
     calls = {"n": 0}
 
     def crashing(self, batch, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 11:
+        if calls["n"] == 7:
             raise RuntimeError("simulated crash")
         return real_step(self, batch, *args, **kwargs)
 
     monkeypatch.setattr(StepRunner, "train_step", crashing)
     with pytest.raises(RuntimeError):
-        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4), device=torch.device("cpu")).fit()
-    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 11))
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=STRAIGHT_STEPS, save_every=4),
+                      device=torch.device("cpu")).fit()
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, 7))
     monkeypatch.setattr(StepRunner, "train_step", real_step)
-    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, save_every=4, resume=True),
+    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=STRAIGHT_STEPS, save_every=4, resume=True),
                   device=torch.device("cpu")).fit()
-    assert [(r["step"], r["loss"], r["slot_acc"]) for r in _rows(tmp_path)] == straight_run
+    assert _metrics(tmp_path) == straight_run
 
 
 def test_rows_after_a_resume_fall_on_the_uninterrupted_runs_steps(demo_cache, tmp_path):
@@ -533,7 +544,7 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
     """A static shape whose compiled step raises (as torch 2.11's dynamic graph did in its backward)
     is said once, with the torch version, and runs eagerly: the run goes on to its checkpoint and
     export, and the metrics count the eager steps."""
-    trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=6, log_every=2,
+    trainer = _with_static_shapes(Trainer.build(_cfg(demo_cache, tmp_path, max_steps=4, log_every=2,
                                                      static_shapes=1), device=torch.device("cpu")))
     (shape,) = trainer.runner.shapes.shapes
     once = trainer.runner._forward_backward_once
@@ -552,7 +563,7 @@ def test_a_shape_whose_compiled_step_fails_runs_eagerly(demo_cache, tmp_path, ca
         trainer.fit()
     rows = _rows(tmp_path)
     # the warm-up compiled the shape; step 1's compiled attempt failed in its backward and ran eagerly
-    assert [r["step"] for r in rows] == [2, 4, 6] and [r["eager_steps"] for r in rows] == [2, 4, 6]
+    assert [r["step"] for r in rows] == [2, 4] and [r["eager_steps"] for r in rows] == [2, 4]
     assert compiled_calls == [shape, shape] and trainer.runner.shape_record.failed.keys() == {shape}
     warned = [m for m in caplog.messages if "failed under torch" in m]
     assert len(warned) == 1 and str(shape) in warned[0] and torch.__version__ in warned[0], caplog.messages
@@ -598,7 +609,7 @@ def _strict_rows(out: Path) -> list[dict]:
 def test_a_batch_with_nan_features_is_a_skipped_step_not_a_nan_run(demo_cache, tmp_path):
     """One batch's features hold a NaN (a damaged cache): its step is skipped (no update) and
     counted, the rows average the other steps, and the run goes on to its export."""
-    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=6, log_every=3), device=torch.device("cpu"))
+    trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=4, log_every=2), device=torch.device("cpu"))
     iterate = trainer.source.iterate
 
     def with_a_nan(*args, **kwargs):
@@ -610,7 +621,7 @@ def test_a_batch_with_nan_features_is_a_skipped_step_not_a_nan_run(demo_cache, t
     trainer.source.iterate = with_a_nan
     trainer.fit()
     rows = _strict_rows(tmp_path)
-    assert [(r["step"], r.get("skipped_steps", 0)) for r in rows] == [(3, 1), (6, 0)], rows
+    assert [(r["step"], r.get("skipped_steps", 0)) for r in rows] == [(2, 1), (4, 0)], rows
     assert all(r["loss"] is not None and r["loss"] > 0 for r in rows)
     weights = load_file(tmp_path / "export" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -680,18 +691,20 @@ def test_a_refused_or_stopped_start_never_touches_config_yaml(demo_cache, tmp_pa
     assert config.read_bytes() == before[0]
 
 
-def test_options_changed_on_resume_are_applied_and_said(demo_cache, tmp_path, caplog):
+def test_options_changed_on_resume_are_applied_and_said(demo_cache, tmp_path, caplog, straight_dir):
     """`--resume --lr X` trains on at X from the step it resumes (the schedule's shape kept), and a
-    changed --max-steps moves the schedule's end; each says so in one line, none is dropped."""
-    Trainer.build(_cfg(demo_cache, tmp_path, max_steps=8, log_every=2), device=torch.device("cpu")).fit()
-    before = _rows(tmp_path)[1]  # step 4, at the first run's own peak's schedule
+    changed --max-steps moves the schedule's end; each says so in one line, none is dropped. (The run
+    resumed is a copy of the uninterrupted one the resume tests share, STRAIGHT_STEPS long.)"""
+    end = STRAIGHT_STEPS + 4
+    shutil.copytree(straight_dir, tmp_path, dirs_exist_ok=True)
+    before = _rows(tmp_path)[3]  # step 4, at the first run's own peak's schedule
     with caplog.at_level("INFO", logger="dflash_cache.train"):
-        trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=12, log_every=2, lr=1e-5, resume=True),
+        trainer = Trainer.build(_cfg(demo_cache, tmp_path, max_steps=end, lr=1e-5, resume=True),
                                 device=torch.device("cpu"))
         trainer.fit()
     lines = [m for m in caplog.messages if "on resume" in m]
     assert any("--lr 1e-05" in m and "0.003" in m for m in lines), caplog.messages
-    assert any("ends at step 12" in m and "8" in m for m in lines), caplog.messages
-    first = next(r for r in _rows(tmp_path) if r["step"] > 8)
-    expected = 1e-5 * lr_factor(first["step"], 12, trainer.cfg.warmup_ratio)
+    assert any(f"ends at step {end}" in m and str(STRAIGHT_STEPS) in m for m in lines), caplog.messages
+    first = next(r for r in _rows(tmp_path) if r["step"] > STRAIGHT_STEPS)
+    expected = 1e-5 * lr_factor(first["step"], end, trainer.cfg.warmup_ratio)
     assert first["lr"] == pytest.approx(expected, rel=1e-6) and before["lr"] > 1e-4

@@ -128,12 +128,14 @@ def test_resume_redoes_the_evaluations_after_the_checkpoint_once(demo_cache, tmp
     assert [r["step"] for r in evals] == [1, 2, 3, 4]
 
 
-def test_eval_data_given_on_resume_is_said_and_used(demo_cache, tmp_path, caplog):
-    _fit(demo_cache, tmp_path, max_steps=2)
+def test_eval_data_given_on_resume_is_said_and_used(demo_cache, tmp_path, caplog, straight):
+    """A run that never evaluated (a copy of `straight`) resumed with --eval-data evaluates at its end."""
+    shutil.copytree(straight, tmp_path, dirs_exist_ok=True)
     with caplog.at_level(logging.INFO):
-        _fit(demo_cache, tmp_path, max_steps=3, resume=True, eval_data=str(demo_cache), eval_batches=1)
+        _fit(demo_cache, tmp_path, max_steps=5, save_every=2, resume=True, eval_data=str(demo_cache), eval_batches=1)
     assert any(m.startswith("evaluation: 1 held-out batches of ") and str(demo_cache) in m for m in caplog.messages)
-    assert [(r["step"], r.get("split")) for r in _rows(tmp_path)] == [(1, None), (2, None), (3, None), (3, "eval")]
+    assert [(r["step"], r.get("split")) for r in _rows(tmp_path)] == [(1, None), (2, None), (3, None), (4, None),
+                                                                    (5, None), (5, "eval")]
 
 
 def test_a_live_run_evaluates_a_dataset_through_its_target(tmp_path):
