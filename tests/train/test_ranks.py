@@ -2,7 +2,10 @@
 
 The CLI runs in a subprocess in a process group of its own, so that a test can signal the whole
 group as a terminal's Ctrl-C does, or the launching process alone as a scheduler's SIGTERM does.
-Functions a launched rank runs are defined at module level: spawned processes import them by name.
+Functions a launched rank runs are defined at module level: spawned processes import them by name (and
+so does the slow-steps test's launching process). So the top of this module imports nothing those
+processes do not load anyway; helpers of other test modules (the trainer's, extraction's, which load
+the trainer and more) are imported where they are used.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -25,13 +29,11 @@ from torch.nn.parallel import DistributedDataParallel
 from dflash_cache.cli import cli
 from dflash_cache.train import ranks
 from dflash_cache.train.checkpoint import list_checkpoints
-from dflash_cache.train.run_config import TrainConfig
-from tests.conftest import REPO
-from tests.extract.test_launch import _group_ends
-from tests.train.test_trainer import TWO_RANK_RUN
 
-# Long enough to be interrupted, a row every step, no checkpoint but the one a signal asks for.
-ENDLESS = [*TWO_RANK_RUN, "--max-steps", "100000", "--log-every", "1", "--save-every", "100000"]
+if TYPE_CHECKING:
+    from dflash_cache.train.run_config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
 INTERRUPTED = re.compile(r"^Interrupted: checkpoint saved at step (\d+); continue with --resume\.$")
 STOPPED_AT_ONCE = "Stopped without saving the last steps; --resume continues from the last checkpoint."
 
@@ -47,7 +49,7 @@ from dflash_cache.cli import cli
 try:
     cli(sys.argv[1:])
 finally:  # the launcher trains nowhere itself: only its ranks load the trainer and the models
-    if "dflash_cache.train.trainer" in sys.modules and not os.environ.get("SLOW_STEPS"):
+    if "dflash_cache.train.trainer" in sys.modules:
         print("the launching process loaded the trainer", file=sys.stderr)
 """
 
@@ -63,13 +65,21 @@ def slow_train_rank(cfg: TrainConfig, gpus: str, *, device: torch.device, echo) 
     return ranks.train_rank(cfg, gpus, device=device, echo=echo)
 
 
+def _endless() -> list[str]:
+    """The two-rank run of the trainer's tests, long enough to be interrupted, a row every step, no
+    checkpoint but the one a signal asks for."""
+    from tests.train.test_trainer import TWO_RANK_RUN
+
+    return [*TWO_RANK_RUN, "--max-steps", "100000", "--log-every", "1", "--save-every", "100000"]
+
+
 def _start(demo_cache: Path, out: Path, tmp_path: Path, **env: str) -> tuple[subprocess.Popen, Path]:
     """`train --gpus all` on two CPU ranks in a new session; returns it and the file its stderr goes to
     (a file, not a pipe: a pipe nobody reads would stall the ranks' logging)."""
     err = tmp_path / "stderr.txt"
     with err.open("w") as sink:
         proc = subprocess.Popen([sys.executable, "-c", TWO_CPU_RANKS, "train", "--cache", str(demo_cache),
-                                 "--out", str(out), *ENDLESS, "--gpus", "all"], cwd=REPO, start_new_session=True,
+                                 "--out", str(out), *_endless(), "--gpus", "all"], cwd=REPO, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=sink, text=True, env={**os.environ, **env})
     return proc, err
 
@@ -87,6 +97,8 @@ def _wait_for_a_row(proc: subprocess.Popen, out: Path, err: Path, timeout: float
 
 
 def _ended(proc: subprocess.Popen, err: Path, timeout: float = 60) -> tuple[int, list[str]]:
+    from tests.extract.test_launch import _group_ends
+
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -126,7 +138,7 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint_that_resume_conti
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: signal the whole foreground group
     step = _checkpointed_step(*_ended(proc, err), out)
     with caplog.at_level("INFO"):
-        r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *ENDLESS,
+        r = CliRunner().invoke(cli, ["train", "--cache", str(demo_cache), "--out", str(out), *_endless(),
                                      "--max-steps", str(step + 1), "--device", "cpu", "--resume"])
     assert r.exit_code == 0, r.output
     assert any(m.startswith(f"resumed from {out / 'checkpoints' / f'step_{step:07d}'} (step {step},")
@@ -160,3 +172,4 @@ def test_a_second_ctrl_c_stops_everything_at_once_without_saving(demo_cache, tmp
     # (the line may be followed by multiprocessing's resource tracker counting what the killed ranks left)
     assert code == 130 and lines.count(STOPPED_AT_ONCE) == 1, said
     assert "Traceback" not in said and not list_checkpoints(out / "checkpoints"), said
+    assert "the launching process loaded the trainer" not in said
