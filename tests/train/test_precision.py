@@ -173,7 +173,7 @@ def test_ddp_averages_bf16_gradients_in_float32(tmp_path):
     """Three gloo ranks (with two, a bf16 sum halved is the rounded mean too): each gradient is the
     mean of the ranks' own bf16 gradients rounded once, as a float32 sum gives it."""
     done = subprocess.run([sys.executable, "-c", _FORKED_RANKS, f"file://{tmp_path / 'init'}", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, check=False)
+                          cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stderr
     got = torch.load(tmp_path / "ddp-0.pt")
     assert all(g.dtype == torch.bfloat16 for g in got)
