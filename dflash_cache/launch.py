@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what elastic would handle by default
 PASSED_ON = ("SIGINT", "SIGTERM", "SIGHUP")  # what the parent of interruptible ranks passes on, once
 STOP_REQUEST = signal.SIGUSR1  # how: "stop at your next chance", never counted as a second signal
+STOP_POLL_S = 0.05  # how often a rank looks whether the parent asks it to stop
 INTERRUPTED = 130  # the exit status of a rank that a KeyboardInterrupt ended
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
@@ -110,7 +111,7 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torc
             level = logging.getLogger().getEffectiveLevel()
             with stop or contextlib.nullcontext():
                 returned = elastic_launch(config, _rank_main)(fn, args, list(devices), lines, tmp, level,
-                                                               stop.event if stop else None)
+                                                               stop.flag if stop else None)
         except ChildFailedError as e:
             if stop is not None and stop.at_once(e, Path(tmp)):
                 raise KeyboardInterrupt from None
@@ -126,12 +127,17 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torc
 
 class _StopRequests:
     """The parent's handler of the signals it passes on to interruptible ranks (`with` it while they
-    run): the first sets `event`, which each rank turns into a STOP_REQUEST to itself; the second has
-    elastic end the ranks at once."""
+    run): the first sets `flag`, which each rank turns into a STOP_REQUEST to itself; the second has
+    elastic end the ranks at once.
+
+    `flag` is a byte of shared memory the ranks poll, with no lock: a multiprocessing Event's set()
+    waits for every thread waiting on it to say it woke, and the waiting thread of a rank that ended
+    meanwhile never does (a Ctrl-C ends a rank still starting up at once, often before the parent's
+    handler runs): the launcher hung there."""
 
     def __init__(self, names: list[str]) -> None:
         self.signals = [getattr(signal, name) for name in names]
-        self.event = multiprocessing.get_context("spawn").Event()
+        self.flag = multiprocessing.get_context("spawn").RawValue("b", 0)
         self.received = 0
         self._previous: dict[int, Any] = {}
 
@@ -149,7 +155,7 @@ class _StopRequests:
         name = signal.Signals(signum).name
         if self.received == 1:
             log.info("%s received: asking every rank to stop", name)
-            self.event.set()
+            self.flag.value = 1
             return
         log.warning("%s received again: stopping every rank at once", name)
         raise SignalException(f"{name} received twice", sigval=signal.SIGKILL)  # elastic: SIGKILL them all
@@ -197,7 +203,7 @@ def _lines_to(echo: Callable[[str], None]) -> Iterator[_Lines]:
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torch.device], echo: _Lines,
                reports: str, log_level: int, stop: Any = None) -> Any:
     """A launched rank: the parent's logging with the rank in front, its device, a report if it fails.
-    `stop`, for interruptible ranks: the parent's event, set when the ranks are asked to stop."""
+    `stop`, for interruptible ranks: the byte the parent sets when the ranks are asked to stop."""
     rank = int(os.environ["RANK"])
     setup_logging(log_level, prefix=f"[rank {rank}] ")
     signal.signal(signal.SIGINT, _interrupted)
@@ -227,16 +233,23 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
 def _interrupted(_signum: int, _frame: object) -> None:
     """Ctrl-C reaches a rank twice, from the terminal and then from the parent stopping it (or, for
     an interruptible rank, passing it on): the first one unwinds (finishing the segments being
-    written), the second must not interrupt that."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(STOP_REQUEST, signal.SIG_IGN)
+    written), the second must not interrupt that. Later ones go to a handler that does nothing, not to
+    SIG_IGN: one already due when the handler changes would make Python raise "Signal ... ignored due
+    to race condition" (the terminal's Ctrl-C and the parent's stop request often come together)."""
+    signal.signal(signal.SIGINT, _ignored)
+    signal.signal(STOP_REQUEST, _ignored)
     raise KeyboardInterrupt
 
 
+def _ignored(_signum: int, _frame: object) -> None:
+    """A signal after the one that ends the rank: nothing more to do."""
+
+
 def _request_stop_when(stop: Any) -> None:
-    """Send this rank STOP_REQUEST once the parent sets `stop` (at once if it was set before the rank
-    started): what handles it here (the trainer's DeferredInterrupt) decides when to stop."""
-    stop.wait()
+    """Send this rank STOP_REQUEST once the parent sets the shared byte `stop` (at once if it was set
+    before the rank started): what handles it here (the trainer's DeferredInterrupt) decides when to stop."""
+    while not stop.value:
+        time.sleep(STOP_POLL_S)
     os.kill(os.getpid(), STOP_REQUEST)
 
 

@@ -101,3 +101,74 @@ def test_interruptible_ranks_are_asked_to_stop_once_and_what_they_return_comes_b
 
     assert launch(wait_to_be_asked, (), TWO_CPUS, echo=echo, interruptible=True) == [0, 1]
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+
+def rank_0_dies(*, device: torch.device, echo: Echo) -> int:
+    """Rank 0 is killed (saying its process id first), as a Ctrl-C at start-up ends a rank; rank 1 runs
+    until asked to stop."""
+    if os.environ["RANK"] == "0":
+        echo(f"rank 0 dies {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return wait_to_be_asked(device=device, echo=echo)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie not yet reaped counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_stop_asked_once_a_rank_died_ends_the_run_at_once():
+    """A Ctrl-C reaches the parent after it ended a rank (the terminal signals every process; a rank
+    still starting up ends at once): the stop request the parent then passes on must not wait for the
+    dead rank. It did, forever, on a multiprocessing Event, whose set() waits for every thread that
+    waited on it to say it woke, the dead rank's too."""
+    def echo(line: str) -> None:
+        if line.startswith("rank 0 dies"):
+            pid = int(line.split()[-1])
+            deadline = time.time() + 30
+            while not _gone(pid) and time.time() < deadline:
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def hung(_signum: int, _frame: object) -> None:
+        raise TimeoutError("the stop request waited for the dead rank")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises((RankFailed, KeyboardInterrupt)):
+            launch(rank_0_dies, (), TWO_CPUS, echo=echo, interruptible=True)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_request_that_lands_with_the_ctrl_c_is_ignored_not_an_error():
+    """A rank's Ctrl-C and the parent's stop request can arrive together: the first handled ends the
+    rank (KeyboardInterrupt) and the other must then be ignored quietly. Swapping the handler to
+    SIG_IGN under a pending signal made Python raise "OSError: Signal 10 ignored due to race
+    condition" instead, a traceback in a run stopped while starting up."""
+    from dflash_cache.launch import _interrupted
+
+    both = {signal.SIGINT, STOP_REQUEST}
+    previous = {sig: signal.signal(sig, _interrupted) for sig in both}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            for sig in both:
+                os.kill(os.getpid(), sig)  # both pending: both handlers are due at once when unblocked
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+            for _ in range(1000):  # bytecodes, where Python runs what is due
+                time.sleep(0)
+        for _ in range(1000):
+            time.sleep(0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
