@@ -187,6 +187,8 @@ def config_from_export(config: dict) -> DrafterConfig:
 def _drafter_config(config: dict) -> DrafterConfig:
     dflash = config["dflash_config"]
     rope = config.get("rope_parameters") or {}
+    # RoPE's base where it is given: rope_parameters first, the top-level key if that holds null
+    rope_theta = rope.get("rope_theta") if rope.get("rope_theta") is not None else config.get("rope_theta")
     return DrafterConfig(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -195,8 +197,7 @@ def _drafter_config(config: dict) -> DrafterConfig:
         num_key_value_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"],
         rms_norm_eps=config["rms_norm_eps"],
-        # a null rope_theta fails here (TypeError): config_from_export reports it as a bad value
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta"))),  # pyright: ignore[reportArgumentType]
+        rope_theta=float(rope_theta),  # pyright: ignore[reportArgumentType] (not null: _missing_keys checked)
         max_position_embeddings=config["max_position_embeddings"],
         vocab_size=config["vocab_size"],
         block_size=config["block_size"],

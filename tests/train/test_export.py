@@ -333,6 +333,21 @@ def test_a_broken_or_incomplete_config_is_one_line_naming_the_file(exported, tmp
     assert all(n in message for n in needles), message
 
 
+@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
+def test_rope_theta_is_read_where_it_is_given_when_the_other_place_holds_null(exported, where):
+    """Hand-edited or converted configs hold RoPE's base in one place and null in the other: the
+    value given is read (a null there was float(None), "a bad value")."""
+    from dflash_cache.train.export import config_from_export
+
+    cfg, _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    if where == "rope_parameters":
+        config["rope_theta"] = None
+    else:
+        config["rope_parameters"]["rope_theta"] = None
+    assert config_from_export(config) == cfg
+
+
 def test_weights_that_do_not_fit_the_config_are_one_line(exported, tmp_path):
     _, _, out = exported
     broken = tmp_path / "export"
