@@ -47,6 +47,7 @@ class Bookkeeper:
         self.window: list[dict[str, torch.Tensor]] = []
         self.tokens = 0  # in the window
         self.first_step = True
+        self.window_timed = True  # False while the window is the run's first step alone
         self.said_anchor_cap = False
         self.t_start = self.t_batch = 0.0
         self.warm_up: float | None = None
@@ -78,9 +79,12 @@ class Bookkeeper:
             self.first_step = False
             if not self.ends_window(step):
                 # Start-up (the first read, compiling) is no part of the rate: the first window is
-                # timed from the end of its first step, unless that step is all it holds.
+                # timed from the end of its first step, unless that step is all it holds (a resume
+                # one step before a log step, or --log-every 1): then that row has no rate.
                 metrics.start()
                 self.tokens = 0
+            else:
+                self.window_timed = False
         self.place.profiler.add_tokens(tokens)
         self.place.profiler.maybe_report()
         self.bar.update(1)
@@ -102,7 +106,8 @@ class Bookkeeper:
 
     def _queue(self, stop_requested: bool) -> None:
         self.metrics.queue(self.window, self.tokens, stop_requested, self._window_fields(),
-                           self.parts.steps.skip_run)
+                           self.parts.steps.skip_run, timed=self.window_timed)
+        self.window_timed = True
         self.window, self.tokens = [], 0
 
     def stop_if_diverged(self) -> None:

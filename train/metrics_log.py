@@ -38,6 +38,7 @@ class _Queued:
     row: dict[str, Any]  # what the host knew at the log step
     tokens: int
     left_out: float = 0.0  # seconds of the window spent on other work (evaluations): not in its rate
+    timed: bool = True  # False: the window is a run's first step alone, start-up in it: no rate to give
 
 
 @dataclass
@@ -84,12 +85,13 @@ class MetricsLog:
             self._write_other_rows()
 
     def queue(self, window: list[dict[str, torch.Tensor]], tokens: int, stop_requested: bool,
-              row: dict[str, Any], skip_run: torch.Tensor | None = None) -> None:
+              row: dict[str, Any], skip_run: torch.Tensor | None = None, *, timed: bool = True) -> None:
         """Average the window's step metrics ("loss", "acc" [B - 1]) over its steps that were not
         skipped ("skipped": their gradients were not finite), count those, and start the copy to the
         host; `skip_run` is how many steps in a row were skipped up to this one. `row` holds the
         host-side fields (step, epoch, lr, tokens_seen; any others are written as they are). A row
-        still queued is written first."""
+        still queued is written first. `timed=False`: the window holds nothing but start-up and the
+        run's first step, so its row's tokens_per_s is null rather than a rate start-up dragged down."""
         self.write()
         dev = window[0]["loss"].device
         skipped = torch.stack([w["skipped"] if "skipped" in w else torch.zeros((), dtype=torch.bool, device=dev)
@@ -115,7 +117,7 @@ class MetricsLog:
             stats = self._host.copy_(stats, non_blocking=True)  # the row before is written: it is free
             ready = torch.cuda.Event()
             ready.record()
-        self._queued = _Queued(stats, ready, since, until, row, tokens, self._left_out)
+        self._queued = _Queued(stats, ready, since, until, row, tokens, self._left_out, timed)
         self._since, self._left_out = until, 0.0
 
     def write(self) -> bool:
@@ -140,7 +142,7 @@ class MetricsLog:
         row = {"step": q.row["step"], "epoch": q.row["epoch"], "loss": loss if finite else None, "lr": q.row["lr"],
                "tau_hat": tau_hat(acc) if finite else None,
                "slot_acc": [round(float(a), 4) for a in acc] if finite else None,
-               "tokens_per_s": q.tokens / max(seconds, 1e-9), "tokens_seen": q.row["tokens_seen"]}
+               "tokens_per_s": q.tokens / max(seconds, 1e-9) if q.timed else None, "tokens_seen": q.row["tokens_seen"]}
         if skipped:  # steps whose gradients were not finite: no update, and left out of the averages
             row |= {"skipped_steps": skipped, "skip_run": skip_run}
         row |= {k: v for k, v in q.row.items() if k not in row}  # the trainer's other fields (anchors_kept)
@@ -150,8 +152,9 @@ class MetricsLog:
             for sink in self.sinks:
                 sink(row)
             if finite:
-                log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %.0f tok/s", row["step"], loss,
-                         row["tau_hat"], row["slot_acc"][0], row["lr"], row["tokens_per_s"])
+                rate = f"{row['tokens_per_s']:.0f} tok/s" if q.timed else "tok/s from the next row (start-up)"
+                log.info("step %d  loss %.4f  tau_hat %.3f  acc@1 %.3f  lr %.2e  %s", row["step"], loss,
+                         row["tau_hat"], row["slot_acc"][0], row["lr"], rate)
             if skipped:
                 log.warning("step %d: %d of the last window's steps were skipped, their gradients not finite%s",
                             row["step"], skipped, f" ({skip_run} in a row)" if skip_run > 1 else "")

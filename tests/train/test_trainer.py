@@ -224,11 +224,14 @@ def test_resume_after_a_crash_rewinds_the_metrics(demo_cache, tmp_path, monkeypa
 
 def test_rows_after_a_resume_fall_on_the_uninterrupted_runs_steps(demo_cache, tmp_path):
     """Resumed at step 2 with --log-every 3, the next row comes at step 3 (over one step), as in a run
-    never stopped, and not at step 5: step numbers line up across resumes in a tracker."""
+    never stopped, and not at step 5: step numbers line up across resumes in a tracker. That row holds
+    the resumed run's first step alone, start-up in it: it gives no rate rather than a wrong one."""
     cpu = torch.device("cpu")
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=2, log_every=3), device=cpu).fit()
     Trainer.build(_cfg(demo_cache, tmp_path, max_steps=7, log_every=3, resume=True), device=cpu).fit()
-    assert [r["step"] for r in _rows(tmp_path)] == [2, 3, 6, 7]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [2, 3, 6, 7]
+    assert [r["tokens_per_s"] is None for r in rows] == [False, True, False, False], rows
 
 
 def test_the_first_windows_rate_leaves_out_start_up(demo_cache, tmp_path, monkeypatch):
