@@ -76,7 +76,8 @@ def windows(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out, first = {}, 1
     for row in rows:
-        out[f"steps {first}-{row['step']}"] = round(float(row["tokens_per_s"]))
+        if row.get("tokens_per_s") is not None:  # null: a run's first step alone, start-up in it
+            out[f"steps {first}-{row['step']}"] = round(float(row["tokens_per_s"]))
         first = row["step"] + 1
     return out
 
