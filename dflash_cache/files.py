@@ -236,8 +236,9 @@ def read_parquet_within(source: Any, name: str, limits: ParquetLimits) -> pa.Tab
     for column in strings:
         values = table.column(column)
         # (pyarrow.compute makes its functions when it is imported, where type checkers cannot see them)
-        longest = max((pc.max(pc.binary_length(c.dictionary)).as_py() or 0  # pyright: ignore[reportAttributeAccessIssue]
-                       for c in values.chunks), default=0)
+        lengths = (pc.max(pc.binary_length(c.dictionary)).as_py()  # pyright: ignore[reportAttributeAccessIssue]
+                   for c in values.chunks)
+        longest = max((n or 0 for n in lengths), default=0)
         if longest > limits.max_string:
             raise ParquetClaimError(f"{name} column {column} holds a value of {longest} bytes, more than "
                                     f"{limits.max_string}")

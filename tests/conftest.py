@@ -63,8 +63,9 @@ def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
 
 def torchrun_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`dflash-cache ARGS` under torchrun on two CPU ranks, from the repository root; asserts that it
-    succeeded, and returns it (stdout holds what the ranks' commands printed). --standalone: the rendezvous binds a free port of its own, so runs that overlap (test
-    workers) can never meet on one, as ports derived from process ids could."""
+    succeeded, and returns it (stdout holds what the ranks' commands printed). --standalone: the
+    rendezvous binds a free port of its own, so runs that overlap (test workers) can never meet on
+    one, as ports derived from process ids could."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "dflash_cache.cli", *args]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)

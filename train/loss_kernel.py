@@ -106,7 +106,7 @@ def logits_loss_and_grad_triton(logits: torch.Tensor, labels: torch.Tensor, weig
         with on_device_of(logits):
             _build_kernel(interpret)[(rows,)](logits, labels, row_scale, ce, correct, vocab, logits.stride(0),
                                               HAS_GRAD=has_grad, BLOCK=min(block, _next_power_of_2(vocab)),
-                                              # a launch option, which triton's typing of kernel[grid] (the kernel's own signature) lacks
+                                              # a launch option, which triton's typing of kernel[grid] lacks
                                               num_warps=num_warps)  # pyright: ignore[reportCallIssue]
     loss_sum = torch.where(weights != 0, ce * weights, torch.zeros_like(ce)).sum()
     return loss_sum, correct.bool(), logits if has_grad else None

@@ -28,6 +28,7 @@ from dflash_cache.train.config import DrafterConfig
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+FITS_MEMORY = "that fits this device's memory"  # why a run has the anchor cap fit_max_anchors gives it
 USABLE_FRACTION = 0.85    # of the device's free memory at start-up: the allocator fragments, kernels need workspace
 CPU_USABLE_FRACTION = 0.6  # of the host's available memory (reader buffers and the OS need the rest)
 # Activation tensors kept per token per drafter layer, counted by width: the hidden size H, the MLP

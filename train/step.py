@@ -25,6 +25,7 @@ from dflash_cache.train.compile_cache import keep_compiled_kernels_in
 from dflash_cache.train.flops import step_flops
 from dflash_cache.train.loss import chunked_weighted_ce, slot_accuracy
 from dflash_cache.train.masks import build_masks, context_doc_pos
+from dflash_cache.train.memory import FITS_MEMORY
 from dflash_cache.train.optim import clipped_step
 from dflash_cache.train.parts import DrafterParts, RngStates
 from dflash_cache.train.place import Place
@@ -86,7 +87,7 @@ class StepRunner:
         self.device, self.profiler = place.device, place.profiler
         self.model, self.drafter_cfg = drafter.model, drafter.model.cfg
         self.max_anchors, self.shapes, self.shape_record = max_anchors, shapes, ShapeRecord()
-        self.anchor_cap_reason = "that fits this device's memory"  # why max_anchors, when no --max-anchors set it
+        self.anchor_cap_reason = FITS_MEMORY  # why max_anchors, when no --max-anchors set it (trainer.anchor_cap)
         self.compiled = compiles(cfg, self.device)
         self.backend = "flex" if self.device.type == "cuda" else "dense"
         # The LM-head loss's chunk kernel (dflash_cache.train.loss.LOSS_KERNELS): with --no-compile,

@@ -49,7 +49,7 @@ from dflash_cache.train.epoch_plan import Position
 from dflash_cache.train.export import export_drafter
 from dflash_cache.train.flops import anchors_within, device_peak_flops, step_flops
 from dflash_cache.train.interrupt import DeferredInterrupt, TrainingInterrupted
-from dflash_cache.train.memory import fit_max_anchors
+from dflash_cache.train.memory import FITS_MEMORY, fit_max_anchors
 from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.parts import Progress, RngStates, drafter_parts, lr_factor
 from dflash_cache.train.place import Place
@@ -334,7 +334,7 @@ def anchor_cap(cfg: TrainConfig, drafter_cfg: DrafterConfig, device: torch.devic
         within = anchors_within(drafter_cfg, context_tokens=context_tokens, flops=CPU_STEP_FLOPS)
         if within < cap:
             return within, f"that keeps a CPU step under ~{CPU_STEP_FLOPS / 1e12:g} TFLOP (--max-anchors lifts it)"
-    return cap, "that fits this device's memory"
+    return cap, FITS_MEMORY
 
 
 def plan_shapes(cfg: TrainConfig, source: Source, max_anchors: int, total_steps: int, world: int) -> ShapeBuckets:

@@ -85,8 +85,8 @@ def test_the_tee_commits_what_extraction_committed(demo_bf16_cache, tmp_path):
     extracted = CacheReader(demo_bf16_cache)
     source = CacheSource(extracted, SOURCE, Place(CPU))
     tee = CacheTee(str(tmp_path / "tee"), "bf16", target=describe_target(TargetSpec(model="tiny")),
-                   data=LiveData(open_data("demo", limit=LIMIT), source.table, PlanConfig().bucket_bounds), source_config=SOURCE,
-                   place=Place(CPU))
+                   data=LiveData(open_data("demo", limit=LIMIT), source.table, PlanConfig().bucket_bounds),
+                   source_config=SOURCE, place=Place(CPU))
     with contextlib.closing(source.iterate(Position(0, 0), epochs=1)) as batches:
         for g, (_, batch) in enumerate(batches):
             tee(g, batch, None)
