@@ -206,19 +206,19 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
     `stop`, for interruptible ranks: the byte the parent sets when the ranks are asked to stop."""
     rank = int(os.environ["RANK"])
     setup_logging(log_level, prefix=f"[rank {rank}] ")
-    signal.signal(signal.SIGINT, _interrupted)
-    if stop is not None:
-        signal.signal(STOP_REQUEST, _interrupted)  # until fn handles it: stopped before it began
-        threading.Thread(target=_request_stop_when, args=(stop,), name="stop-request", daemon=True).start()
     folder = Path(reports)
     device = devices[int(os.environ["LOCAL_RANK"])]
-    try:
+    try:  # from the first handler on: a KeyboardInterrupt that escaped would end the rank "successfully"
+        signal.signal(signal.SIGINT, _interrupted)
+        if stop is not None:
+            signal.signal(STOP_REQUEST, _interrupted)  # until fn handles it: stopped before it began
+            threading.Thread(target=_request_stop_when, args=(stop,), name="stop-request", daemon=True).start()
         # Each rank's entry (extract's and train's) sets its threads, splitting a host's free cores.
         return fn(*args, device=device, echo=echo)
     except UserError as e:
         Report(rank, True, str(e), time.time()).write(folder)
         raise SystemExit(e.exit_code) from None
-    except KeyboardInterrupt:  # the parent says so
+    except KeyboardInterrupt:  # the parent says so (torch's wrapper would end the rank with status 0)
         raise SystemExit(INTERRUPTED) from None
     except Exception as e:
         if Report.read_all(folder):  # another rank failed first and took the collectives down with it

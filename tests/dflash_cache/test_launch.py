@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,6 +144,30 @@ def test_a_stop_asked_once_a_rank_died_ends_the_run_at_once():
         with pytest.raises((RankFailed, KeyboardInterrupt)):
             launch(rank_0_dies, (), TWO_CPUS, echo=echo, interruptible=True)
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_stop_asked_while_the_ranks_start_ends_the_run():
+    """A Ctrl-C (or a SIGTERM to the launcher alone) while the ranks start: each rank sees the stop
+    request the moment it begins. Its KeyboardInterrupt came before the rank's own handling was in
+    place, so torch's wrapper ended the rank with status 0 and no return value, which elastic then
+    waited on for ever: this test hung each time."""
+    def hung(_signum: int, _frame: object) -> None:
+        raise TimeoutError("the run hung after a stop asked while its ranks started")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    ask = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        ask.start()
+        try:
+            returned = launch(wait_to_be_asked, (), TWO_CPUS, interruptible=True)
+        except KeyboardInterrupt:  # the ranks were stopped before their function began
+            returned = None
+        assert returned in (None, [0, 1]), returned
+    finally:
+        ask.cancel()
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
 
