@@ -42,6 +42,7 @@ from dflash_cache.target.model import TargetDescription, describe_target, load_t
 
 log = logging.getLogger(__name__)
 RESUME_HINT = "the committed segments are kept: run the same command again to resume"
+TARGET_MODULES = ("transformers.modeling_utils",)  # every target model class builds on it: loaded once for CPU ranks
 
 
 def extract(cfg: ExtractConfig, gpus: str = "all", echo: Callable[[str], None] = log.info) -> None:
@@ -68,7 +69,7 @@ def extract_on(cfg: ExtractConfig, devices: list[torch.device], echo: Callable[[
     if len(devices) == 1:
         extract_rank(cfg, device=devices[0], echo=echo)
     else:
-        launch(extract_rank, (cfg,), devices, echo=echo, crash_hint=RESUME_HINT)
+        launch(extract_rank, (cfg,), devices, echo=echo, crash_hint=RESUME_HINT, preload=TARGET_MODULES)
 
 
 def extract_rank(cfg: ExtractConfig, *, device: torch.device, echo: Callable[[str], None]) -> None:

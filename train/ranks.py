@@ -33,6 +33,7 @@ from dflash_cache.train.run_directory import EXPORT_DIR
 
 log = logging.getLogger(__name__)
 RESUME_HINT = "--resume continues from the last checkpoint"
+TRAINER_MODULES = ("dflash_cache.train.trainer",)  # what a rank imports to train: loaded once for all CPU ranks
 
 
 def run_training(cfg: TrainConfig, device: str = "auto", gpus: str | None = None,
@@ -58,7 +59,8 @@ def train_on(cfg: TrainConfig, devices: list[torch.device], gpus: str,
     if len(devices) == 1:
         _train(cfg, str(devices[0]), gpus=gpus, echo=echo)
     else:
-        stopped = launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT, interruptible=True)[0]
+        stopped = launch(train_rank, (cfg, gpus), devices, echo=echo, crash_hint=RESUME_HINT, interruptible=True,
+                         preload=TRAINER_MODULES)[0]
         if stopped is not None:
             raise TrainingInterrupted(*stopped)
 

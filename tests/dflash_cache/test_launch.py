@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from dflash_cache.errors import UserError
 from dflash_cache.launch import STOP_REQUEST, RankFailed, launch
+from tests.conftest import REPO
 
 TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
 Echo = Callable[[str], None]
@@ -197,3 +200,65 @@ def test_a_stop_request_that_lands_with_the_ctrl_c_is_ignored_not_an_error():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+
+
+def say_what_was_inherited(*, device: torch.device, echo: Echo) -> None:
+    """A rank that tells what it inherited: a variable through echo, and a line on each stream."""
+    echo(f"rank {os.environ['RANK']} sees {os.environ.get('DFLASH_TEST_VALUE')}")
+    print(f"stdout of rank {os.environ['RANK']}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+
+
+def test_ranks_take_the_environment_and_streams_the_launcher_has_at_each_launch(monkeypatch, capfd):
+    """CPU ranks are forked from a server that the first launch of this process started: they must
+    still see the launcher's environment and standard streams as they are now (a later variable, this
+    test's capture), as spawned ranks did, not as they were when the server started."""
+    launch(say_what_was_inherited, (), TWO_CPUS)  # the server is running from here on, if not before
+    capfd.readouterr()
+    said = []
+    monkeypatch.setenv("DFLASH_TEST_VALUE", "set after the server started")
+    launch(say_what_was_inherited, (), TWO_CPUS, echo=said.append)
+    assert sorted(said) == [f"rank {r} sees set after the server started" for r in (0, 1)]
+    out, err = capfd.readouterr()
+    assert "stdout of rank 0" in out and "stdout of rank 1" in out, out
+    assert "stderr of rank 0" in err and "stderr of rank 1" in err, err
+
+
+def stop_at_a_signal(*, device: torch.device, echo: Echo) -> int:
+    """An interruptible rank as training's are: a SIGTERM or SIGHUP of its own, or the parent's stop
+    request, asks it to stop; it then returns its rank."""
+    asked = []
+    for sig in (signal.SIGTERM, signal.SIGHUP, STOP_REQUEST):
+        signal.signal(sig, lambda signum, _frame: asked.append(signum))
+    echo("ready")
+    deadline = time.time() + 30
+    while not asked and time.time() < deadline:
+        time.sleep(0.01)
+    assert asked, "never asked to stop"
+    return int(os.environ["RANK"])
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_process_group_lets_the_ranks_stop_as_they_choose(name):
+    """Slurm (SIGTERM) and closing terminals (SIGHUP) signal every process of the group, the helpers
+    too: they must outlive the signal. Had the server that forks CPU ranks died, the parent would have
+    read every rank it forked as ended (status 255) and killed them mid-checkpoint; a killed resource
+    tracker, restarted, printed a KeyError traceback for each semaphore the ranks released."""
+    script = ("import torch; from dflash_cache.launch import launch; from tests.dflash_cache.test_launch import "
+              "stop_at_a_signal; print('returned', launch(stop_at_a_signal, (), [torch.device('cpu')] * 2, "
+              "echo=print, interruptible=True), flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        ready = 0
+        while ready < 2 and (line := proc.stdout.readline()):
+            ready += line.strip() == "ready"
+        assert ready == 2, proc.stderr.read() if proc.stderr else ""
+        os.killpg(proc.pid, getattr(signal, name))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "returned [0, 1]" in out, (proc.returncode, out, err)
+    assert "Traceback" not in err, err
