@@ -1,7 +1,7 @@
 """One process per device, started through torch's elastic launcher exactly as torchrun starts them.
 
 `launch(fn, args, devices, echo=...)` runs `fn(*args, device=devices[LOCAL_RANK], echo=...)` in one
-spawned process per device, each with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+launched process per device, each with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, ...), so code written for a torchrun rank runs unchanged. A rank's `echo` sends each
 line to the parent, which shows it with its own `echo` (stdout for the CLI): what a rank says to
 the user comes out where a single-process run would put it. The launcher is single-node with a

@@ -1,6 +1,6 @@
 """The launcher on the CPU: ranks started by torch's elastic launcher with gloo, as on GPUs.
 
-Functions a launched rank runs are defined at module level: spawned processes import them by name.
+Functions a launched rank runs are defined at module level: a rank (forked or spawned) imports them by name.
 """
 
 from __future__ import annotations

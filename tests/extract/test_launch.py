@@ -1,6 +1,6 @@
 """Extraction's ranks on the CPU: started by the launcher (dflash_cache.launch) with gloo, as on GPUs.
 
-Functions a launched rank runs are defined at module level: spawned processes import them by name.
+Functions a launched rank runs are defined at module level: a rank (forked or spawned) imports them by name.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The CLI runs in a subprocess in a process group of its own, so that a test can signal the whole
 group as a terminal's Ctrl-C does, or the launching process alone as a scheduler's SIGTERM does.
-Functions a launched rank runs are defined at module level: spawned processes import them by name (and
+Functions a launched rank runs are defined at module level: ranks import them by name (and
 so does the slow-steps test's launching process). So the top of this module imports nothing those
 processes do not load anyway; helpers of other test modules (the trainer's, extraction's, which load
 the trainer and more) are imported where they are used.
