@@ -12,11 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.store.plan import PlanConfig
-from dflash_cache.target.model import TargetSpec
+from dflash_cache.target.spec import TargetSpec
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,9 +24,14 @@ def pytest_configure(config: pytest.Config) -> None:
     milliseconds, too short to gain from a second thread, while OpenMP threads spin waiting for work:
     with anything else busy on a 2-core machine (the pipeline's own reader and writer threads, another
     process or test worker) they run ten to twenty times slower than on one thread, which is as fast
-    when alone. Extraction ranks choose their own count (dflash_cache/launch.py)."""
+    when alone. Extraction ranks choose their own count (dflash_cache/launch.py).
+
+    torch takes the count when it is imported, which here comes later, with the first test module:
+    this file imports no torch, so that xdist's controller, which runs no test, starts its workers
+    without loading it first."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "torch" in sys.modules:  # loaded already (a plugin): tell it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 REPO = Path(__file__).resolve().parents[1]
