@@ -30,8 +30,8 @@ own with exit status 130 (a second Ctrl-C that reached them).
 
 How ranks start: CPU ranks are forked from a server process that has torch and the modules the ranks
 need already loaded (multiprocessing's forkserver, started once per launching process), so a rank
-starts in a fraction of a second rather than importing torch afresh (1.5 s; 4 s with the trainer).
-GPU ranks are still spawned: a forkserver is safe for CUDA only while nothing in it has touched the
+starts in a fraction of a second rather than importing torch afresh (1.3 s on a 2-core machine;
+4.4 s with the trainer). GPU ranks are still spawned: a forkserver is safe for CUDA only while nothing in it has touched the
 driver, and that has not yet been run on a GPU. A forked rank takes from the launcher, as of the
 launch, what a spawned one inherits and the server may hold from an earlier time: the environment,
 standard output and error (a redirect, a test's capture), and which stop signals are ignored. The

@@ -80,14 +80,22 @@ def test_an_unexpected_exception_shows_its_traceback_then_one_line(capfd):
     assert "[rank 0] " not in err, "rank 0 was stopped by rank 1's failure: that is not an error of its own"
 
 
-def wait_to_be_asked(*, device: torch.device, echo: Echo) -> int:
-    """An interruptible rank that says it is ready, then runs until asked to stop; returns its rank."""
-    asked = []
-    signal.signal(STOP_REQUEST, lambda signum, _frame: asked.append(signum))
+def _ready_until_asked(echo: Echo, signals: tuple[int, ...]) -> list[int]:
+    """Handle `signals` by noting them, say "ready", and wait (30 s at most) for the first; returns
+    the signals noted."""
+    asked: list[int] = []
+    for sig in signals:
+        signal.signal(sig, lambda signum, _frame: asked.append(signum))
     echo("ready")
     deadline = time.time() + 30
     while not asked and time.time() < deadline:
         time.sleep(0.01)
+    return asked
+
+
+def wait_to_be_asked(*, device: torch.device, echo: Echo) -> int:
+    """An interruptible rank that says it is ready, then runs until asked to stop; returns its rank."""
+    asked = _ready_until_asked(echo, (STOP_REQUEST,))
     assert asked == [STOP_REQUEST], asked  # no SIGTERM from elastic either: that would have ended this rank
     return int(os.environ["RANK"])
 
@@ -227,13 +235,7 @@ def test_ranks_take_the_environment_and_streams_the_launcher_has_at_each_launch(
 def stop_at_a_signal(*, device: torch.device, echo: Echo) -> int:
     """An interruptible rank as training's are: a SIGTERM or SIGHUP of its own, or the parent's stop
     request, asks it to stop; it then returns its rank."""
-    asked = []
-    for sig in (signal.SIGTERM, signal.SIGHUP, STOP_REQUEST):
-        signal.signal(sig, lambda signum, _frame: asked.append(signum))
-    echo("ready")
-    deadline = time.time() + 30
-    while not asked and time.time() < deadline:
-        time.sleep(0.01)
+    asked = _ready_until_asked(echo, (signal.SIGTERM, signal.SIGHUP, STOP_REQUEST))
     assert asked, "never asked to stop"
     return int(os.environ["RANK"])
 
