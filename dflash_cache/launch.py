@@ -112,7 +112,8 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torc
     UserError (a bug or a kill), to say what the user can do next. `interruptible`: the ranks stop
     themselves at a signal (see the module's doc); a run they were told to stop at once raises
     KeyboardInterrupt. `preload`: modules fn imports when it runs, loaded once for every CPU rank
-    (by the first launch of this process, which starts the server that forks them)."""
+    (by the first launch of this process, which starts the server that forks them, unless
+    `preload_cpu_ranks` started it earlier)."""
     handled = [name for name in STOP_SIGNALS if _handler(name) is not signal.SIG_IGN]
     ours = [name for name in handled if name in PASSED_ON] if interruptible else []
     forked = all(device.type == "cpu" for device in devices)
@@ -250,6 +251,13 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], devices: list[torc
         message = f"{type(e).__name__}: {one_line(e)}" if str(e).strip() else type(e).__name__
         Report(rank, False, message, time.time()).write(folder)
         raise SystemExit(1) from None
+
+
+def preload_cpu_ranks(modules: Sequence[str]) -> None:
+    """Start this process's server of CPU ranks now, with `modules` loaded. For a process that launches
+    ranks of several kinds (a test session): otherwise its first launch's preload stays, and each later
+    rank that needs more imports it afresh. Does nothing where the server runs already."""
+    _start_helpers(multiprocessing.get_context("forkserver"), ["torch", *modules])
 
 
 def _start_helpers(context: BaseContext, preload: list[str]) -> None:

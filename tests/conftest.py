@@ -57,6 +57,23 @@ def small_parquet(tmp_path_factory) -> Path:
     return path
 
 
+# What the launched CPU ranks of the tests import: the trainer, the target's model code, and the
+# test modules whose functions ranks run.
+RANK_MODULES = ("dflash_cache.train.ranks", "dflash_cache.train.trainer", "dflash_cache.extract.run",
+                "transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
+                "tests.dflash_cache.test_launch", "tests.extract.test_launch")
+
+
+@pytest.fixture(scope="session")
+def preloaded_ranks() -> None:
+    """This test process's server of CPU ranks, started with every module its ranks import: a worker
+    runs launches of several kinds, and the server keeps what its first launch loaded, so each rank
+    of a later kind would import the trainer or the target afresh (2-2.5 s of CPU each)."""
+    from dflash_cache.launch import preload_cpu_ranks
+
+    preload_cpu_ranks(RANK_MODULES)
+
+
 def extract_config(data: Path | str, out: Path, **overrides) -> ExtractConfig:
     target = overrides.pop("target", TargetSpec(model="tiny"))
     base = dict(target=target, data=str(data), out=str(out), codec="bf16", plan=SMALL_PLAN, writers=2,

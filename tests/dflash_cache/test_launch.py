@@ -25,6 +25,7 @@ from tests.conftest import REPO
 TWO_CPUS = [torch.device("cpu"), torch.device("cpu")]
 Echo = Callable[[str], None]
 DISK_FULL = "disk full while writing to the cache; free space and run the same command again"
+pytestmark = pytest.mark.usefixtures("preloaded_ranks")  # ranks fork from one server holding their modules
 
 
 def note_device(folder: str, *, device: torch.device, echo: Echo) -> None:
@@ -230,6 +231,18 @@ def test_ranks_take_the_environment_and_streams_the_launcher_has_at_each_launch(
     out, err = capfd.readouterr()
     assert "stdout of rank 0" in out and "stdout of rank 1" in out, out
     assert "stderr of rank 0" in err and "stderr of rank 1" in err, err
+
+
+def say_whether_loaded(module: str, *, device: torch.device, echo: Echo) -> None:
+    echo(f"{module} loaded: {module in sys.modules}")
+
+
+def test_ranks_fork_from_a_server_that_holds_the_modules_preloaded_for_them():
+    """This module's ranks import no trainer (this module does not), yet find it loaded: the server they
+    fork from was started by `preload_cpu_ranks` (tests/conftest.py's `preloaded_ranks`) with it."""
+    said = []
+    launch(say_whether_loaded, ("dflash_cache.train.trainer",), TWO_CPUS, echo=said.append)
+    assert said == ["dflash_cache.train.trainer loaded: True"] * 2
 
 
 def stop_at_a_signal(*, device: torch.device, echo: Echo) -> int:

@@ -36,6 +36,7 @@ from tests.conftest import extract_config, wait_for_commits
 from tests.dflash_cache.test_launch import TWO_CPUS, Echo
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("preloaded_ranks")  # ranks fork from one server holding their modules
 
 
 def sample_ids(root: Path) -> list[int]:

@@ -308,7 +308,7 @@ def test_torchrun_two_cpu_ranks_train_with_ddp(demo_cache, tmp_path):
 
 
 def test_train_gpus_launches_one_ddp_rank_per_device_as_torchrun_does(demo_cache, tmp_path, monkeypatch, capfd,
-                                                                       caplog):
+                                                                       caplog, preloaded_ranks):
     """`train --gpus`: one rank per device through the launcher extract uses (two CPU ranks here, as
     `--gpus all` would give two GPUs), the same run the torchrun test checks; rank 0 says the result
     line here, and OUT/config.yaml records --gpus, so `--config` starts the ranks again. What the
