@@ -28,7 +28,6 @@ from dflash_cache.train.place import Place
 from dflash_cache.train.run_config import LiveConfig, TrainConfig
 from dflash_cache.train.source import Source
 from dflash_cache.train.trainer import Trainer
-from tests.conftest import torchrun_cli
 
 SOURCE = SourceConfig(token_budget=2048, min_supervised=16, seed=3, prefetch=2, read_threads=1)
 CPU = torch.device("cpu")
@@ -179,18 +178,31 @@ def test_live_run_trains_and_tees_a_valid_cache(tmp_path):
     assert Trainer.build(offline, device=CPU).fit()["step"] == 2
 
 
-def test_torchrun_two_cpu_ranks_train_live_and_tee_one_cache(tmp_path):
-    """`train --live` under torchrun: each rank runs its own target on its share of every epoch, DDP
-    joins the drafters, and the ranks' tee'd segments make one complete, valid cache."""
+def test_train_live_gpus_runs_a_target_per_rank_and_the_ranks_tee_one_cache(tmp_path, monkeypatch, preloaded_ranks):
+    """`train --live --gpus`: one launched rank per device (two CPU ranks here, as `--gpus all` gives
+    two GPUs), each running its own target on its share of every epoch; DDP joins the drafters, rank 0
+    alone says the result, and the ranks' tee'd segments make one complete, valid cache. (torchrun's
+    ranks run the same `train`: tests/train/test_trainer.py starts one run under torchrun.)"""
     import json
 
+    from click.testing import CliRunner
+
+    from dflash_cache.cli import cli
+    from dflash_cache.train import ranks
+
+    monkeypatch.setattr(ranks, "gpu_devices", lambda _spec: [CPU] * 2)
     out, tee = tmp_path / "run", tmp_path / "tee"
-    torchrun_cli("train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out), "--target-gpus", "cpu",
-                 "--device", "cpu", "--epochs", "1", "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8",
-                 "--token-budget", "1024", "--queue-depth", "4", "--log-every", "2", "--write-cache", str(tee),
-                 "--no-progress", "--limit", "32")  # the first 32 rows: an epoch of 6 batches, 3 for each rank
+    r = CliRunner().invoke(cli, [
+        "train", "--live", "--target", "tiny", "--data", "demo", "--out", str(out), "--gpus", "all", "--epochs", "1",
+        "--block-size", "8", "--draft-layers", "1", "--num-anchors", "8", "--token-budget", "1024",
+        "--queue-depth", "4", "--log-every", "2", "--write-cache", str(tee), "--no-progress",
+        "--limit", "32"])  # the first 32 rows: an epoch of 6 batches, 3 for each rank
+    assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["epoch"] in (0, 1)
+    assert [line for line in r.output.splitlines() if line.startswith("done:")] == [
+        f"done: step {rows[-1]['step']}, loss {rows[-1]['loss']:.4f}, tau_hat {rows[-1]['tau_hat']:.3f}; exported to "
+        f"{out / 'export'}"], r.output
     reader = CacheReader(tee)
     assert reader.complete and not verify(reader)
     assert {r.rank for r in reader.records} == {0, 1}
