@@ -7,19 +7,17 @@ the masters, not their rounding."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dflash_cache.launch import launch
 from dflash_cache.train.precision import Precision, fp32_allreduce_hook, linear_weights
 from tests.triton_interpreter import run_interpreted
-
-REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = textwrap.dedent(
     """
@@ -126,8 +124,11 @@ def test_master_weights_need_autocast():
 RANKS = 3
 
 
-def _ddp_rank(rank: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=RANKS)
+def _ddp_rank(out: str, *, device: torch.device, echo: Callable[[str], None]) -> None:
+    """A launched rank (tests/conftest.py's preloaded server forks it): one bf16 DDP backward whose
+    gradients it saves."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 3, bias=False))
     for w in linear_weights(model):
@@ -140,41 +141,10 @@ def _ddp_rank(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-# The ranks are forked by one fresh Python that imports torch, this module and torch._dynamo (which DDP's
-# constructor imports) once for all three, instead of each spawned rank importing them again: processes
-# of their own all the same, each ending through the interpreter's shutdown as a spawned rank does (where
-# gloo's threads once aborted one). A fresh Python: forking this test process, whatever threads it runs,
-# would not be safe.
-_FORKED_RANKS = """
-import os, signal, sys
-import torch._dynamo
-from tests.train.test_precision import RANKS, _ddp_rank
-
-ranks = {}
-for rank in range(RANKS):
-    if (pid := os.fork()) == 0:
-        _ddp_rank(rank, *sys.argv[1:])
-        sys.exit()
-    ranks[pid] = rank
-failed = []
-while ranks:
-    pid, status = os.wait()
-    rank = ranks.pop(pid)
-    if status:
-        failed.append(f"rank {rank} ended with {os.waitstatus_to_exitcode(status)}")
-        for other in ranks:  # they would wait for it until gloo's timeout
-            os.kill(other, signal.SIGKILL)
-if failed:
-    sys.exit("; ".join(failed))
-"""
-
-
-def test_ddp_averages_bf16_gradients_in_float32(tmp_path):
+def test_ddp_averages_bf16_gradients_in_float32(tmp_path, preloaded_ranks):
     """Three gloo ranks (with two, a bf16 sum halved is the rounded mean too): each gradient is the
     mean of the ranks' own bf16 gradients rounded once, as a float32 sum gives it."""
-    done = subprocess.run([sys.executable, "-c", _FORKED_RANKS, f"file://{tmp_path / 'init'}", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
-    assert done.returncode == 0, done.stderr
+    launch(_ddp_rank, (str(tmp_path),), [torch.device("cpu")] * RANKS)
     got = torch.load(tmp_path / "ddp-0.pt")
     assert all(g.dtype == torch.bfloat16 for g in got)
     for rank in range(1, RANKS):
