@@ -66,7 +66,8 @@ def fp32_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     world = dist.get_world_size(group)
-    work = dist.all_reduce(buffer.to(torch.float32), group=group, async_op=True)
+    reduced = buffer.to(torch.float32)
+    work = dist.all_reduce(reduced, group=group, async_op=True)
     if work is None:  # not reached: with async_op=True it returns its Work (torch types it optional)
         raise RuntimeError("all_reduce(async_op=True) returned no Work")
     if buffer.is_cuda:  # NCCL runs the callback on this thread, ordered on the stream: the copy overlaps
@@ -75,7 +76,7 @@ def fp32_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):
     # moved on. DDP keeps that thread alive until exit, so the release can meet the interpreter's
     # shutdown and abort the process. On a CPU there is no stream to overlap with: finish here.
     work.wait()
-    buffer.copy_(work.result()[0].div_(world))
+    buffer.copy_(reduced.div_(world))
     done = torch.futures.Future()
     done.set_result(buffer)
     return done

@@ -8,6 +8,7 @@ the masters, not their rounding."""
 from __future__ import annotations
 
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,6 +139,12 @@ def _ddp_rank(out: str, *, device: torch.device, echo: Callable[[str], None]) ->
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank + 1)).to(torch.bfloat16)
     net(x).float().square().sum().backward()
     torch.save([p.grad.clone() for p in model.parameters()], Path(out) / f"ddp-{rank}.pt")
+    # Let gloo's threads let go of the all-reduce before the group is torn down. The work holds Python
+    # objects (the float32 copy; since torch 2.13, the context backward stashes), so a gloo thread that
+    # drops it last takes the GIL; tearing the group down holds the GIL while it waits for that thread.
+    # Without this pause 1 run in 6 hung there (1 in 1 once the server had torch._dynamo loaded); with
+    # it none of 300, 100 of them beside two busy loops.
+    time.sleep(0.1)
     dist.destroy_process_group()
 
 
