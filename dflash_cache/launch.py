@@ -75,6 +75,7 @@ PASSED_ON = ("SIGINT", "SIGTERM", "SIGHUP")  # what the parent of interruptible 
 STOP_REQUEST = signal.SIGUSR1  # how: "stop at your next chance", never counted as a second signal
 STOP_POLL_S = 0.05  # how often a rank looks whether the parent asks it to stop
 INTERRUPTED = 130  # the exit status of a rank that a KeyboardInterrupt ended
+CPU_START = "forkserver"  # how CPU ranks start (GPU ranks are spawned)
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 
 
@@ -117,7 +118,7 @@ def launch(fn: Callable[..., Any], args: tuple[Any, ...], devices: Sequence[torc
     handled = [name for name in STOP_SIGNALS if _handler(name) is not signal.SIG_IGN]
     ours = [name for name in handled if name in PASSED_ON] if interruptible else []
     forked = all(device.type == "cpu" for device in devices)
-    context = multiprocessing.get_context("forkserver" if forked else "spawn")
+    context = multiprocessing.get_context(CPU_START if forked else "spawn")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=len(devices), run_id=f"dflash-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
@@ -257,7 +258,7 @@ def preload_cpu_ranks(modules: Sequence[str]) -> None:
     """Start this process's server of CPU ranks now, with `modules` loaded. For a process that launches
     ranks of several kinds (a test session): otherwise its first launch's preload stays, and each later
     rank that needs more imports it afresh. Does nothing where the server runs already."""
-    _start_helpers(multiprocessing.get_context("forkserver"), ["torch", *modules])
+    _start_helpers(multiprocessing.get_context(CPU_START), ["torch", *modules])
 
 
 def _start_helpers(context: BaseContext, preload: list[str]) -> None:
@@ -272,7 +273,7 @@ def _start_helpers(context: BaseContext, preload: list[str]) -> None:
     before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         multiprocessing.resource_tracker.ensure_running()  # it unblocks SIGINT and SIGTERM as it starts
-        if context.get_start_method() == "forkserver":
+        if context.get_start_method() == CPU_START:
             context.set_forkserver_preload(preload)
             signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
             multiprocessing.forkserver.ensure_running()

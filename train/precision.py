@@ -75,6 +75,9 @@ def fp32_allreduce_hook(process_group: dist.ProcessGroup | None, bucket):
     # gloo would run a Python callback on its worker thread, and release it there after the step has
     # moved on. DDP keeps that thread alive until exit, so the release can meet the interpreter's
     # shutdown and abort the process. On a CPU there is no stream to overlap with: finish here.
+    # (gloo's thread may still hold the work, and with it Python objects, just after this returns: a
+    # group torn down at that moment, which holds the GIL while it joins that thread, can hang under
+    # torch 2.13; tests/train/test_precision.py pauses before its teardown.)
     work.wait()
     buffer.copy_(reduced.div_(world))
     done = torch.futures.Future()

@@ -142,8 +142,8 @@ def _ddp_rank(out: str, *, device: torch.device, echo: Callable[[str], None]) ->
     # Let gloo's threads let go of the all-reduce before the group is torn down. The work holds Python
     # objects (the float32 copy; since torch 2.13, the context backward stashes), so a gloo thread that
     # drops it last takes the GIL; tearing the group down holds the GIL while it waits for that thread.
-    # Without this pause 1 run in 6 hung there (1 in 1 once the server had torch._dynamo loaded); with
-    # it none of 300, 100 of them beside two busy loops.
+    # Without this pause 5 of 30 runs hung there (forked from a server with torch._dynamo loaded, one
+    # of the first 1-3 runs); with it none of 300, 100 of them beside two busy loops.
     time.sleep(0.1)
     dist.destroy_process_group()
 
