@@ -44,8 +44,9 @@ def seeds_mix_lengths(extract_batches: int, seed: int = 0) -> np.ndarray:
     """Row lengths whose default extraction plan has about `extract_batches` batches in the seeds' shares."""
     rows = BATCH_SHARES * extract_batches * ROWS_PER_BATCH
     for _ in range(3):  # the planner's rows per batch depend on the lengths drawn: refit twice
-        lengths = _draw(rows, seed)
-        rows = rows * BATCH_SHARES / np.maximum(plan_shares(lengths), 1e-9)
+        shares = plan_shares(_draw(rows, seed))
+        # a bucket drawn empty (a few batches: its rows round to none) has no share to refit by
+        rows = rows * np.where(shares > 0, BATCH_SHARES / np.maximum(shares, 1e-9), 1.0)
     return _draw(rows, seed)
 
 
