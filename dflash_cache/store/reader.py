@@ -15,8 +15,8 @@ what its shape holds (numcodecs allocates what the header says), and plan.parque
 index.parquet are decoded only after their footers' row counts, columns and page sizes agree with
 the manifest and the records (`read_parquet_within`).
 
-A reader is shared by the trainer's prefetch threads: its caches of opened arrays and checked
-segments are guarded by a lock.
+A reader is shared by the trainer's prefetch threads: its caches of opened arrays, decoded
+one-chunk arrays and checked segments are guarded by a lock.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,9 @@ from dflash_cache.store.segments import (
 log = logging.getLogger(__name__)
 
 OPEN_ARRAYS = 1024  # opened zarr arrays kept per reader (random sample access hits many segments)
+# Bytes of whole decoded one-chunk arrays kept per reader (`CacheReader._rows`): a segment's token
+# arrays, and every array of a short segment or a small target, are one chunk each.
+DECODED_BYTES = 64 << 20
 INDEX_BYTES_PER_SAMPLE = 256  # an index.parquet larger than this per sample (+1 MiB) is not read
 # What zarr 3.1 / numcodecs raise when stored bytes fail to decode: ValueError for a CRC32C
 # mismatch (a flipped byte, a truncated shard, a damaged shard index), RuntimeError from Blosc
@@ -221,28 +225,37 @@ def parquet_or_corrupt(location: Location, name: str, limits: ParquetLimits, max
         raise CacheCorruptError(f"{name} is unreadable ({e}); copy the cache again or re-run extract") from None
 
 
-class _OpenArrays:
-    """Opened zarr arrays, least recently used dropped first. Prefetch threads share one reader,
-    so every look-up and eviction holds the lock; opening happens outside it (it parses JSON)."""
+class _Recent:
+    """Values by key up to a total weight (a count, or bytes), least recently used dropped first.
+    Prefetch threads share one reader, so every look-up and eviction holds the lock; making a
+    value happens outside it (opening parses JSON, decoding decompresses). A value heavier than
+    the whole capacity is not kept."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, weigh: Callable[[Any], int] = lambda _value: 1) -> None:
         self.capacity = max(1, capacity)
+        self._weigh = weigh
         self._lock = threading.Lock()
-        self._items: OrderedDict[tuple[str, str], zarr.Array] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._weight = 0
 
-    def get(self, key: tuple[str, str]) -> zarr.Array | None:
+    def get(self, key: tuple[str, str]) -> Any | None:
         with self._lock:
-            arr = self._items.get(key)
-            if arr is not None:
-                self._items.move_to_end(key)
-            return arr
-
-    def put(self, key: tuple[str, str], arr: zarr.Array) -> None:
-        with self._lock:
-            self._items[key] = arr
+            item = self._items.get(key)
+            if item is None:
+                return None
             self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            return item[0]
+
+    def put(self, key: tuple[str, str], value: Any) -> None:
+        weight = self._weigh(value)
+        if weight > self.capacity:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            self._weight += weight - (old[1] if old is not None else 0)
+            self._items[key] = (value, weight)
+            while self._weight > self.capacity:
+                self._weight -= self._items.popitem(last=False)[1][1]
 
 
 class CacheReader:
@@ -250,9 +263,11 @@ class CacheReader:
 
     `check_segment_files=False` skips comparing a segment's files with its record's list; the
     safety checks (paths inside the root, regular files, array metadata, shard files present)
-    always run. `open_arrays` bounds the opened zarr arrays kept."""
+    always run. `open_arrays` bounds the opened zarr arrays kept, `decoded_bytes` the decoded
+    one-chunk arrays."""
 
-    def __init__(self, root: str | Path, *, check_segment_files: bool = True, open_arrays: int = OPEN_ARRAYS) -> None:
+    def __init__(self, root: str | Path, *, check_segment_files: bool = True, open_arrays: int = OPEN_ARRAYS,
+                 decoded_bytes: int = DECODED_BYTES) -> None:
         self.location = open_location(root)
         # The local directory (None for a cache on object storage, which is read-only here).
         self.root: Path | None = self.location.root if isinstance(self.location, LocalCache) else None
@@ -272,7 +287,8 @@ class CacheReader:
         # Segments whose files and array metadata passed, with their commit record's stamp then: a
         # record replaced since means the cache was made again under this reader.
         self._checked: dict[str, tuple | None] = {}
-        self._open = _OpenArrays(open_arrays)
+        self._open = _Recent(open_arrays)
+        self._decoded = _Recent(decoded_bytes, weigh=lambda values: values.nbytes)
 
     # --- summary -------------------------------------------------------------------------
     @property
@@ -421,17 +437,35 @@ class CacheReader:
         """Rows start:stop of one array of a committed segment, decoded; an error naming the segment
         if it cannot be, or (unless the caller checks later: `check_unchanged`) if the segment changed
         on disk since this reader checked it."""
-        values = self._values(self._array(name, key), name, key, start, stop)
+        values = self._rows(self._array(name, key), name, key, start, stop)
         if check_unchanged:
             self.check_unchanged(name)
         return values
 
-    def _values(self, arr: zarr.Array, name: str, key: str, start: int | None = None,
-                stop: int | None = None) -> np.ndarray:
-        """Rows start:stop of an opened array, decoded (every chunk's CRC32C checked) and held to the codec."""
+    def _rows(self, arr: zarr.Array, name: str, key: str, start: int | None, stop: int | None) -> np.ndarray:
+        """Rows start:stop of an opened array, held to the codec. zarr decodes a whole chunk for any
+        of its rows, so an array stored as one chunk is decoded once and kept (`decoded_bytes`): a
+        batch reads a few rows from each of many samples, often of one segment. What is kept was
+        decoded and checksummed; a file deleted after that is not read again for it."""
+        if (start is None and stop is None) or arr.chunks[0] < arr.shape[0]:
+            values = self._decoded_values(arr, name, key, start, stop)
+        else:
+            whole = self._decoded.get((name, key))
+            if whole is None:
+                whole = self._decoded_values(arr, name, key)
+                self._decoded.put((name, key), whole)
+            values = whole[start:stop].copy()
+        problem = self.codec.stored_problem(key, values, self.manifest.hidden_size)
+        if problem:
+            raise CacheCorruptError(f"segment {name}: array {key}: {problem}")
+        return values
+
+    def _decoded_values(self, arr: zarr.Array, name: str, key: str, start: int | None = None,
+                        stop: int | None = None) -> np.ndarray:
+        """Rows start:stop of an opened array, decoded (every chunk's CRC32C checked)."""
         try:
             with self.location.guard():  # a failed request to object storage: one line naming the URL
-                values = np.asarray(arr[start:stop])
+                return np.asarray(arr[start:stop])
         except DECODE_ERRORS as e:
             raise CacheCorruptError(f"segment {name}: array {key} failed to decode ({type(e).__name__}: {e})") from None
         except ChunkClaim as e:
@@ -440,10 +474,6 @@ class CacheReader:
             raise CacheCorruptError(f"segment {name}: array {key}: its file {e} is missing (it was there when "
                                     "the cache was opened: deleted since, by another job on this cache?); let the "
                                     "other job finish, then start again") from None
-        problem = self.codec.stored_problem(key, values, self.manifest.hidden_size)
-        if problem:
-            raise CacheCorruptError(f"segment {name}: array {key}: {problem}")
-        return values
 
     def read_segment(self, name: str) -> dict[str, np.ndarray]:
         """All arrays of one segment (stored dtypes), decoded. On object storage the segment's
@@ -460,7 +490,7 @@ class CacheReader:
         if problems:
             raise CacheCorruptError(f"segment {name} is damaged: {'; '.join(problems)}")
         store = _SegmentStore(memory_store(blobs), layouts)
-        return {k: self._values(self._open_array(store, rec, k, layouts), name, k) for k in keys}
+        return {k: self._rows(self._open_array(store, rec, k, layouts), name, k, None, None) for k in keys}
 
     def read_batch(self, name: str) -> tuple[HostBatch, dict[str, np.ndarray]]:
         """A segment as it was committed: its packed batch and its stored (encoded) feature arrays."""

@@ -257,11 +257,61 @@ def test_a_shard_deleted_after_the_first_read_is_an_error_not_zeros(tmp_path):
     _, written = synthetic_cache(tmp_path, "none", segments=2)
     r = CacheReader(tmp_path)
     name = written[0][0].name
-    r.read_array(name, "features", 0, 3)  # checked and opened
+    r.read_array(name, "input_ids", 0, 3)  # checked and opened (features not yet decoded)
     for shard in _shards(tmp_path, name, "features"):
         shard.unlink()
     with pytest.raises(CacheCorruptError, match=f"segment {name}.*features.*missing"):
         r.read_array(name, "features", 0, 3)
+
+
+def _counting_decodes(monkeypatch) -> list:
+    """The arrays' names zarr decodes rows of, one entry per read, from now on."""
+    import zarr
+
+    decoded: list = []
+    real = zarr.Array.__getitem__
+
+    def counted(self, selection):
+        decoded.append(self.basename)
+        return real(self, selection)
+
+    monkeypatch.setattr(zarr.Array, "__getitem__", counted)
+    return decoded
+
+
+def test_an_array_of_one_chunk_is_decoded_once_for_all_its_samples(tmp_path, monkeypatch):
+    """zarr decodes a whole chunk for any rows of it: a segment's token arrays (and every array of
+    a short segment) are one chunk, read by each of its samples. The reader decodes such an array
+    once and serves every later slice, exactly, from what it decoded."""
+    _, [(rec, inp)] = synthetic_cache(tmp_path, "bf16")
+    r = CacheReader(tmp_path)
+    decoded = _counting_decodes(monkeypatch)
+    _check_all_samples(r, [(rec, inp)])
+    _check_all_samples(r, [(rec, inp)])
+    assert sorted(decoded) == ["features", "input_ids", "loss_mask"], decoded
+    got = r.read_array(rec.name, "input_ids", 3, 9)
+    got[:] = -1  # a caller's copy: what the reader keeps is not changed through it
+    np.testing.assert_array_equal(r.read_array(rec.name, "input_ids", 3, 9), inp["input_ids"][3:9])
+
+
+def test_arrays_of_many_chunks_or_over_the_budget_are_read_by_the_chunk_each_time(tmp_path, monkeypatch):
+    """Only one-chunk arrays are kept, and only as many bytes of them as `decoded_bytes` allows: a
+    sample of a long segment decodes just the chunks its rows are in."""
+    import dflash_cache.store.segments as segments
+
+    with monkeypatch.context() as m:  # 16-row chunks: the 60-row arrays are several chunks each
+        m.setattr(segments, "CHUNK_BYTES", 16 * 64 * 2)
+        _, [(rec, inp)] = synthetic_cache(tmp_path, "bf16")
+    r = CacheReader(tmp_path)
+    decoded = _counting_decodes(monkeypatch)
+    _check_all_samples(r, [(rec, inp)])
+    _check_all_samples(r, [(rec, inp)])
+    assert decoded.count("features") == 6 and decoded.count("input_ids") == 1, decoded  # 60 tokens: one chunk
+    small = CacheReader(tmp_path, decoded_bytes=100)  # the 240-byte input_ids do not fit, the 60-byte loss_mask does
+    decoded.clear()
+    _check_all_samples(small, [(rec, inp)])
+    _check_all_samples(small, [(rec, inp)])
+    assert decoded.count("input_ids") == 6 and decoded.count("loss_mask") == 1, decoded
 
 
 def test_a_segment_rewritten_under_the_reader_is_refused(tmp_path):
