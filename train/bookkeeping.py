@@ -17,6 +17,7 @@ from tqdm import tqdm
 from dflash_cache.errors import UserError
 from dflash_cache.logs import run_level
 from dflash_cache.train.checkpoint import last_checkpoint
+from dflash_cache.train.memory import FITS_MEMORY
 from dflash_cache.train.metrics_log import MetricsLog
 from dflash_cache.train.run_directory import CHECKPOINTS_DIR, METRICS_FILE
 
@@ -139,7 +140,7 @@ class Bookkeeper:
         `anchors_kept`: the share of the anchors this rank's batches offered since the last row
         that the anchor cap kept. Rank 0 writes the row and, the first time the cap binds (a batch
         offered more anchors than it), says so once: a warning below ANCHORS_KEPT_WARNING of them
-        kept, else news."""
+        kept, else news; always news for the cap a CPU run has by default (its steps' speed)."""
         parts = self.parts
         fields = {"step": parts.progress.step, "epoch": parts.source.position.epoch, "lr": parts.schedule.last_lr(),
                   "tokens_seen": parts.progress.tokens_seen, **parts.steps.shape_record.window_fields()}
@@ -150,7 +151,11 @@ class Bookkeeper:
                 self.said_anchor_cap = True
                 cap = (f"--max-anchors {parts.steps.max_anchors}" if self.cfg.max_anchors is not None
                        else f"the cap of {parts.steps.max_anchors} anchors per batch {parts.steps.anchor_cap_reason}")
-                level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered else logging.INFO
+                # the CPU's speed cap is the defaults' choice there, said as news; a cap of the device's
+                # memory or of --max-anchors that keeps few anchors says the batches are too big for it
+                chosen_for_speed = self.cfg.max_anchors is None and parts.steps.anchor_cap_reason != FITS_MEMORY
+                level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered and not chosen_for_speed \
+                    else logging.INFO
                 log.log(level, "%s kept %d%% of the anchors the batches offered (--num-anchors %d per sample; "
                         "metrics.jsonl's anchors_kept tells each row's share): each sample trains on fewer blocks; "
                         "a smaller --token-budget keeps more of each sample's", cap, 100 * kept // offered,

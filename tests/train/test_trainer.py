@@ -77,6 +77,24 @@ def test_metrics_rows_say_what_share_of_the_anchors_the_cap_kept(demo_cache, tmp
     assert lines[0].getMessage().startswith("--max-anchors 8 kept"), lines[0].getMessage()
 
 
+def test_the_cpu_speed_cap_is_news_not_a_warning_however_few_anchors_it_keeps(demo_cache, tmp_path, caplog,
+                                                                              monkeypatch):
+    """A plain CPU run caps its anchors to keep steps short, by design: the line that says how many it kept
+    is news (INFO), even where it keeps a few percent (the demo's batches offer 112-176 anchors; the cap
+    here keeps about 40). A warning is for a cap of the device's memory or of --max-anchors."""
+    import dflash_cache.train.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "CPU_STEP_FLOPS", 0.0001e12)
+    with caplog.at_level("INFO"):
+        Trainer.build(_cfg(demo_cache, tmp_path, max_steps=4, log_every=2), device=torch.device("cpu")).fit()
+    kept = [r["anchors_kept"] for r in _rows(tmp_path)]
+    assert len(kept) == 2 and all(0 < k < 0.9 for k in kept), kept
+    lines = _anchor_cap_lines(caplog)
+    assert [r.levelname for r in lines] == ["INFO"], [r.getMessage() for r in lines]
+    assert lines[0].getMessage().startswith("the cap of "), lines[0].getMessage()
+    assert "that keeps a CPU step under" in lines[0].getMessage(), lines[0].getMessage()
+
+
 def test_the_anchor_cap_is_said_once_and_only_when_it_binds(demo_cache, tmp_path, caplog):
     """The demo cache's first four batches offer 112, 160, 160 and 176 anchors. A cap that no batch
     reaches (the memory's default, or 176) says nothing, at start or at any step; a cap of 170 binds
