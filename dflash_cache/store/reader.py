@@ -444,9 +444,9 @@ class CacheReader:
 
     def _rows(self, arr: zarr.Array, name: str, key: str, start: int | None, stop: int | None) -> np.ndarray:
         """Rows start:stop of an opened array, held to the codec. zarr decodes a whole chunk for any
-        of its rows, so an array stored as one chunk is decoded once and kept (`decoded_bytes`): a
-        batch reads a few rows from each of many samples, often of one segment. What is kept was
-        decoded and checksummed; a file deleted after that is not read again for it."""
+        of its rows, so an array stored as one chunk is decoded once and kept (`decoded_bytes`): every
+        sample of its segment would decode all of it again. What is kept was decoded and checksummed;
+        a file deleted after that is not read again for it."""
         if (start is None and stop is None) or arr.chunks[0] < arr.shape[0]:
             values = self._decoded_values(arr, name, key, start, stop)
         else:
