@@ -118,10 +118,10 @@ def test_iter_segments_and_complete(tmp_path):
 
 
 def test_one_reader_shared_by_8_threads_reads_what_one_thread_reads(tmp_path, monkeypatch):
-    """Issue 10.1: prefetch threads share a reader whose open-array cache evicts constantly
-    (capacity 4, 520 segments). Every bytecode of the reader module yields the GIL, so a race on
-    its shared state (today: KeyError / 'dictionary changed size', reported as a corrupt
-    segment) shows on every run, not once in a while."""
+    """Issue 10.1: prefetch threads share a reader whose caches of opened and of decoded arrays
+    evict constantly (4 arrays, 512 bytes; 520 segments). Every bytecode of the reader module yields
+    the GIL, so a race on its shared state (today: KeyError / 'dictionary changed size', reported as
+    a corrupt segment) shows on every run, not once in a while."""
     monkeypatch.setattr(os, "fsync", lambda fd: None)
     names = many_segments(tmp_path, 520, distinct=4)
     rng = np.random.default_rng(0)
@@ -131,7 +131,7 @@ def test_one_reader_shared_by_8_threads_reads_what_one_thread_reads(tmp_path, mo
                 rng.integers(1, 4, n), strict=True)]
     single = CacheReader(tmp_path)
     expected = [single.read_array(*job) for job in jobs]
-    shared = CacheReader(tmp_path, open_arrays=4)
+    shared = CacheReader(tmp_path, open_arrays=4, decoded_bytes=512)  # a few decoded arrays: evicted constantly
     results: list = [None] * len(jobs)
     errors: list = []
 
