@@ -151,11 +151,11 @@ class Bookkeeper:
                 self.said_anchor_cap = True
                 cap = (f"--max-anchors {parts.steps.max_anchors}" if self.cfg.max_anchors is not None
                        else f"the cap of {parts.steps.max_anchors} anchors per batch {parts.steps.anchor_cap_reason}")
-                # the CPU's speed cap is the defaults' choice there, said as news; a cap of the device's
-                # memory or of --max-anchors that keeps few anchors says the batches are too big for it
-                chosen_for_speed = self.cfg.max_anchors is None and parts.steps.anchor_cap_reason != FITS_MEMORY
-                level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered and not chosen_for_speed \
-                    else logging.INFO
+                # the CPU's speed cap (the one reason but memory `anchor_cap` gives, never with --max-anchors)
+                # is the defaults' choice there, said as news; a cap of the device's memory or of
+                # --max-anchors that keeps few anchors says the batches are too big for it
+                for_speed = parts.steps.anchor_cap_reason != FITS_MEMORY
+                level = logging.WARNING if kept < ANCHORS_KEPT_WARNING * offered and not for_speed else logging.INFO
                 log.log(level, "%s kept %d%% of the anchors the batches offered (--num-anchors %d per sample; "
                         "metrics.jsonl's anchors_kept tells each row's share): each sample trains on fewer blocks; "
                         "a smaller --token-budget keeps more of each sample's", cap, 100 * kept // offered,
